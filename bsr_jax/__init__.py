@@ -1,0 +1,18 @@
+"""bsr-jax: block-sparse activation residuals for memory-efficient training in JAX/Flax."""
+
+from bsr_jax.format import BlockSparse, capacity_for, from_dense
+from bsr_jax.layers import Dense
+from bsr_jax.linear import bsr_linear
+from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, residual_bytes
+
+__all__ = [
+    "BlockSparse",
+    "CompiledMemory",
+    "Dense",
+    "ResidualBytes",
+    "bsr_linear",
+    "capacity_for",
+    "compiled_memory",
+    "from_dense",
+    "residual_bytes",
+]
