@@ -1,0 +1,123 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bsr_jax.format import BlockSparse, capacity_for, from_dense
+
+
+def _block_mags(x: np.ndarray, block, criterion) -> np.ndarray:
+    """Independent numpy block magnitudes over the zero-padded x, shape (Mb, Kb)."""
+    bm, bk = block
+    mb, kb = -(-x.shape[0] // bm), -(-x.shape[1] // bk)
+    xp = np.zeros((mb * bm, kb * bk), np.float64)
+    xp[: x.shape[0], : x.shape[1]] = x
+    blocks = xp.reshape(mb, bm, kb, bk)
+    return (blocks**2).sum((1, 3)) if criterion == "l2" else np.abs(blocks).sum((1, 3))
+
+
+def _kept_set(bsr: BlockSparse) -> set[tuple[int, int]]:
+    return set(zip(np.asarray(bsr.row_ids).tolist(), np.asarray(bsr.col_ids).tolist()))
+
+
+@pytest.mark.parametrize("criterion", ["l2", "l1"])
+@pytest.mark.parametrize("shape,block", [((64, 48), (16, 16)), ((37, 21), (8, 4)), ((5, 3), (4, 4))])
+def test_global_selection_keeps_topk_blocks(criterion, shape, block):
+    x = np.asarray(jax.random.normal(jax.random.key(1), shape))
+    bsr = from_dense(jnp.asarray(x), 0.6, block, criterion=criterion)
+    mags = _block_mags(x, block, criterion)
+    assert bsr.capacity == capacity_for(mags.shape, 0.6)
+    top = np.argsort(-mags.ravel(), kind="stable")[: bsr.capacity]
+    assert _kept_set(bsr) == {divmod(int(i), mags.shape[1]) for i in top}
+
+
+def test_column_selection_keeps_topk_per_column():
+    x = np.asarray(jax.random.normal(jax.random.key(2), (100, 40)))
+    bsr = from_dense(jnp.asarray(x), 0.7, (10, 8), selection="column")
+    mags = _block_mags(x, (10, 8), "l2")
+    per_col = int(np.ceil(0.3 * 10))
+    np.testing.assert_array_equal(np.diff(np.asarray(bsr.col_ptr)), per_col)
+    expected = {(int(r), c) for c in range(mags.shape[1]) for r in np.argsort(-mags[:, c])[:per_col]}
+    assert _kept_set(bsr) == expected
+
+
+@pytest.mark.parametrize("selection", ["global", "column"])
+def test_layout_grouped_by_column_rows_ascending(selection):
+    x = jax.random.normal(jax.random.key(3), (96, 80))
+    bsr = from_dense(x, 0.5, 16, selection=selection)
+    rows, cols, ptr = map(np.asarray, (bsr.row_ids, bsr.col_ids, bsr.col_ptr))
+    assert ptr[0] == 0 and ptr[-1] == bsr.capacity and np.all(np.diff(ptr) >= 0)
+    for j in range(bsr.grid[1]):
+        assert np.all(cols[ptr[j] : ptr[j + 1]] == j)
+        assert np.all(np.diff(rows[ptr[j] : ptr[j + 1]]) > 0)
+    assert rows.dtype == cols.dtype == ptr.dtype == np.int32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_to_dense_is_masked_input(dtype):
+    x = jax.random.normal(jax.random.key(4), (45, 30)).astype(dtype)
+    bsr = jax.jit(lambda x: from_dense(x, 0.5, (8, 16)))(x)
+    dense = bsr.to_dense()
+    assert dense.dtype == dtype and dense.shape == x.shape
+    kept = np.zeros(bsr.grid, bool)
+    kept[np.asarray(bsr.row_ids), np.asarray(bsr.col_ids)] = True
+    mask = np.kron(kept, np.ones((8, 16), bool))[:45, :30]
+    chex.assert_trees_all_equal(dense, jnp.where(mask, x, 0).astype(dtype))
+
+
+def test_sparsity_zero_keeps_everything_and_padding_is_zero():
+    x = jax.random.normal(jax.random.key(5), (13, 7))
+    bsr = from_dense(x, 0.0, 4)
+    assert bsr.capacity == 4 * 2
+    chex.assert_trees_all_equal(bsr.to_dense(), x)
+    padded = bsr.to_dense(padded=True)
+    assert padded.shape == (16, 8) and not jnp.any(padded[13:]) and not jnp.any(padded[:, 7:])
+
+
+def test_high_sparsity_keeps_one_block_and_padding_ranks_last():
+    x = jnp.ones((10, 10))  # with block 8 three of four blocks are partly padding
+    bsr = from_dense(x, 0.99, 8)
+    assert bsr.capacity == 1
+    assert _kept_set(bsr) == {(0, 0)}
+
+
+def test_capacity_rounding_is_exact_for_decimal_sparsity():
+    assert capacity_for((10, 10), 0.7) == 30
+    assert capacity_for((10, 10), 0.7, "column") == 30
+    assert capacity_for((7, 3), 0.5, "column") == 4 * 3
+
+
+def test_nbytes_counts_values_and_indices():
+    bsr = from_dense(jnp.ones((64, 64), jnp.bfloat16), 0.75, 16)
+    assert bsr.nbytes == 4 * 16 * 16 * 2 + 2 * 4 * 4 + (4 + 1) * 4
+
+
+def test_nan_block_is_kept_and_does_not_crash():
+    x = jnp.zeros((32, 32)).at[20, 5].set(jnp.nan).at[3, 30].set(5.0)
+    bsr = jax.jit(lambda x: from_dense(x, 0.5, 16))(x)
+    assert {(1, 0), (0, 1)} == _kept_set(bsr)
+    assert jnp.isnan(bsr.to_dense()[20, 5])
+
+
+@pytest.mark.parametrize("sparsity", [-0.1, 1.0, 1.5, float("nan"), "0.5", True])
+def test_bad_sparsity(sparsity):
+    with pytest.raises(ValueError, match="sparsity"):
+        from_dense(jnp.ones((8, 8)), sparsity, 4)
+
+
+@pytest.mark.parametrize("block", [0, -4, (4,), (4, 0), (2.0, 2), True])
+def test_bad_block(block):
+    with pytest.raises(ValueError, match="block"):
+        from_dense(jnp.ones((8, 8)), 0.5, block)
+
+
+def test_bad_input_dtype_rank_criterion_selection():
+    with pytest.raises(ValueError, match="floating"):
+        from_dense(jnp.ones((8, 8), jnp.int32), 0.5, 4)
+    with pytest.raises(ValueError, match="2-D"):
+        from_dense(jnp.ones((2, 8, 8)), 0.5, 4)
+    with pytest.raises(ValueError, match="criterion"):
+        from_dense(jnp.ones((8, 8)), 0.5, 4, criterion="linf")
+    with pytest.raises(ValueError, match="selection"):
+        from_dense(jnp.ones((8, 8)), 0.5, 4, selection="row")
