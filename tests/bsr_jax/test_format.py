@@ -47,6 +47,7 @@ def test_layout_grouped_by_column_rows_ascending(selection):
     x = jax.random.normal(jax.random.key(3), (96, 80))
     bsr = from_dense(x, 0.5, 16, selection=selection)
     rows, cols, ptr = map(np.asarray, (bsr.row_ids, bsr.col_ids, bsr.col_ptr))
+    assert bsr.block_rows.dtype == np.int16
     assert ptr[0] == 0 and ptr[-1] == bsr.capacity and np.all(np.diff(ptr) >= 0)
     for j in range(bsr.grid[1]):
         assert np.all(cols[ptr[j] : ptr[j + 1]] == j)
@@ -90,7 +91,15 @@ def test_capacity_rounding_is_exact_for_decimal_sparsity():
 
 def test_nbytes_counts_values_and_indices():
     bsr = from_dense(jnp.ones((64, 64), jnp.bfloat16), 0.75, 16)
-    assert bsr.nbytes == 4 * 16 * 16 * 2 + 2 * 4 * 4 + (4 + 1) * 4
+    assert bsr.block_rows.dtype == jnp.int16
+    assert bsr.nbytes == 4 * 16 * 16 * 2 + 4 * 2 + (4 + 1) * 4
+
+
+def test_row_ids_switch_to_int32_past_int16_range():
+    x = jax.ShapeDtypeStruct((32769, 1), jnp.float32)
+    assert jax.eval_shape(lambda x: from_dense(x, 0.5, 1), x).block_rows.dtype == jnp.int32
+    x = jax.ShapeDtypeStruct((32768, 1), jnp.float32)
+    assert jax.eval_shape(lambda x: from_dense(x, 0.5, 1), x).block_rows.dtype == jnp.int16
 
 
 def test_nan_block_is_kept_and_does_not_crash():

@@ -83,7 +83,7 @@ def test_residuals_hold_no_dense_copy_of_x():
     res = residual_bytes(f, w, x)
     assert all(r.shape != x.shape and r.shape != (512, 96) for r in res.residuals)
     kept_values = int(0.25 * (512 // 16) * (96 // 16)) * 16 * 16 * 4
-    indices = (2 * 48 + 7) * 4
+    indices = 48 * 2 + 7 * 4  # int16 block rows, int32 column pointer
     # Activations: kept blocks + indices + sin's saved cosine of the (8, 64, 128) output.
     assert res.activations == kept_values + indices + 8 * 64 * 128 * 4
     assert res.inputs == 0 and res.params == w.nbytes

@@ -1,0 +1,206 @@
+"""Activation memory of a training step: dense vs block-sparse residuals, per model and config.
+
+For each model and each (sparsity, block), traces the loss's VJP (nothing runs) and reports:
+
+* act MiB: bytes the backward pass keeps that are not parameters (``residual_bytes``
+  activations + inputs), and its ratio to dense;
+* linear-input MiB: the part of it that stores linear-layer inputs. In the dense model this is the
+  sum of the inputs of every ``bsr_jax.Dense`` call (recorded with a Flax interceptor); the forward
+  pass is identical at every sparsity, so the sparse model's figure is the dense one plus the
+  change in act MiB;
+* compiled temp MiB: XLA's ``memory_analysis()`` of the jitted grad step on this backend (a
+  secondary figure on CPU: see docs/memory.md).
+
+Rows with ``remat`` wrap every block in ``jax.checkpoint`` (dense layers): the usual alternative.
+
+    python benchmarks/memory.py                     # all models, full grid, table + JSON
+    python benchmarks/memory.py --models mlp --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bsr_jax  # noqa: E402
+from bsr_jax.memory import MIB  # noqa: E402
+
+
+class MLPBlock(nn.Module):
+    """Pre-residual MLP block: x + fc2(gelu(fc1(x))), GELU checkpointed so it keeps only its input."""
+
+    dense: Callable[..., nn.Module]
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.checkpoint(nn.gelu)(self.dense(self.hidden)(x))
+        return x + self.dense(x.shape[-1])(h)
+
+
+class DenseStack(nn.Module):
+    dense: Callable[..., nn.Module]
+    depth: int
+    hidden: int
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(MLPBlock) if self.remat else MLPBlock
+        for _ in range(self.depth):
+            x = block(self.dense, self.hidden)(x)
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCase:
+    name: str
+    build: Callable[..., nn.Module]  # (dense, remat) -> module
+    input_shape: tuple[int, ...]
+
+
+def _resmlp_case(name: str, preset: str, image_size: int, patch: int, batch: int) -> ModelCase:
+    from train import models  # benchmarks may use the training suite; bsr_jax itself does not
+
+    def build(dense, remat):
+        return models.build_model(preset, num_classes=1000, image_size=image_size, patch_size=patch, dense=dense, remat=remat)
+
+    return ModelCase(name, build, (batch, image_size, image_size, 3))
+
+
+def model_cases(names: list[str]) -> list[ModelCase]:
+    cases = {
+        "mlp": lambda: ModelCase(
+            "mlp-d384x12 (B=128, T=64)",
+            lambda dense, remat: DenseStack(dense, depth=12, hidden=1536, remat=remat),
+            (128, 64, 384),
+        ),
+        "s12-cifar": lambda: _resmlp_case("resmlp-s12 cifar (32px/4, B=128)", "s12", 32, 4, 128),
+        "s12-imagenet": lambda: _resmlp_case("resmlp-s12 imagenet (224px/16, B=64)", "s12", 224, 16, 64),
+    }
+    return [cases[n]() for n in names]
+
+
+def linear_input_bytes(module: nn.Module, params, x) -> int:
+    """Sum of the input bytes of every bsr_jax.Dense call in one forward pass (shapes only)."""
+    total = 0
+
+    def record(next_fun, args, kwargs, context):
+        nonlocal total
+        if isinstance(context.module, bsr_jax.Dense) and context.method_name == "__call__":
+            total += args[0].size * args[0].dtype.itemsize
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(module.apply, params, x)
+    return total
+
+
+def measure(case: ModelCase, sparsity: float, block: int, remat: bool, compile_step: bool, selection: str) -> dict:
+    dense = functools.partial(bsr_jax.Dense, sparsity=sparsity, block=block, selection=selection)
+    module = case.build(dense, remat)
+    x = jax.ShapeDtypeStruct(case.input_shape, jnp.float32)
+    params = jax.eval_shape(module.init, jax.random.key(0), x)
+    loss = lambda p, x: jnp.mean(module.apply(p, x).astype(jnp.float32) ** 2)
+    res = bsr_jax.residual_bytes(loss, params, x)
+    row = dict(
+        model=case.name,
+        config="remat" if remat else ("dense" if sparsity == 0 else f"s{sparsity} b{block}"),
+        sparsity=sparsity,
+        block=block,
+        selection=selection,
+        remat=remat,
+        act_mib=(res.activations + res.inputs) / MIB,
+        param_residual_mib=res.params / MIB,
+    )
+    if compile_step:
+        row["compiled_temp_mib"] = bsr_jax.compiled_memory(jax.grad(loss), params, x).temp / MIB
+    if sparsity == 0 and not remat:
+        row["linear_input_mib"] = linear_input_bytes(module, params, x) / MIB
+    return row
+
+
+def run(args) -> list[dict]:
+    rows = []
+    for case in model_cases(args.models):
+        base = measure(case, 0.0, 16, False, args.compile, args.selection)
+        rows.append(base)
+        print(f"# {case.name}: dense measured", file=sys.stderr, flush=True)
+        configs = [(0.0, 16, True)] + [(s, b, False) for s in args.sparsities for b in args.blocks]
+        for sparsity, block, remat in configs:
+            row = measure(case, sparsity, block, remat, args.compile, args.selection)
+            if not remat:
+                row["linear_input_mib"] = base["linear_input_mib"] + row["act_mib"] - base["act_mib"]
+            rows.append(row)
+            print(f"# {case.name}: {row['config']} measured", file=sys.stderr, flush=True)
+        for row in rows:
+            if row["model"] == case.name:
+                row["act_ratio"] = row["act_mib"] / base["act_mib"]
+                if "linear_input_mib" in row:
+                    row["linear_input_reduction"] = 1 - row["linear_input_mib"] / base["linear_input_mib"]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [
+        ("model", "{}"),
+        ("config", "{}"),
+        ("act_mib", "{:.1f}"),
+        ("act_ratio", "{:.3f}"),
+        ("linear_input_mib", "{:.1f}"),
+        ("linear_input_reduction", "{:.1%}"),
+        ("compiled_temp_mib", "{:.1f}"),
+    ]
+    cells = [[c for c, _ in cols]] + [[fmt.format(r[c]) if c in r else "-" for c, fmt in cols] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cols))]
+    for i, line in enumerate(cells):
+        print("| " + " | ".join(v.ljust(w) for v, w in zip(line, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["mlp", "s12-cifar", "s12-imagenet"],
+                        choices=["mlp", "s12-cifar", "s12-imagenet"], help="models to measure (default: all)")
+    parser.add_argument("--sparsities", nargs="+", type=float, default=[0.5, 0.7, 0.9], help="default: 0.5 0.7 0.9")
+    parser.add_argument("--blocks", nargs="+", type=int, default=[4, 16, 64], help="square block sizes (default: 4 16 64)")
+    parser.add_argument("--selection", default="global", choices=["global", "column"], help="default: global")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="skip compiling each grad step (compiled temp MiB column)")
+    parser.add_argument("--out", default="benchmarks/results/memory.json", help="JSON output path (default: %(default)s)")
+    args = parser.parse_args()
+    rows = run(args)
+    print_table(rows)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = dict(
+        command=" ".join(["python"] + sys.argv),
+        commit=commit,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=f"{platform.node()} {platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        device=jax.devices()[0].device_kind,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
