@@ -77,7 +77,7 @@ def _resmlp_case(name: str, preset: str, image_size: int, patch: int, batch: int
     from train import models  # benchmarks may use the training suite; bsr_jax itself does not
 
     def build(dense, remat):
-        return models.build_model(preset, num_classes=1000, image_size=image_size, patch_size=patch, dense=dense, remat=remat)
+        return models.ResMLP(num_classes=1000, patch_size=patch, dense=dense, remat=remat, **models.PRESETS[preset])
 
     return ModelCase(name, build, (batch, image_size, image_size, 3))
 
