@@ -1,16 +1,20 @@
 """bsr-jax: block-sparse activation residuals for memory-efficient training in JAX/Flax."""
 
+from bsr_jax.elementwise import Affine, LayerScale, bsr_scale_shift
 from bsr_jax.format import BlockSparse, capacity_for, from_dense
 from bsr_jax.layers import Dense
 from bsr_jax.linear import bsr_linear
 from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, residual_bytes
 
 __all__ = [
+    "Affine",
+    "LayerScale",
     "BlockSparse",
     "CompiledMemory",
     "Dense",
     "ResidualBytes",
     "bsr_linear",
+    "bsr_scale_shift",
     "capacity_for",
     "compiled_memory",
     "from_dense",

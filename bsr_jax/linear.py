@@ -38,6 +38,21 @@ def _matmul(x: jax.Array, w: jax.Array, precision: lax.PrecisionLike) -> jax.Arr
     return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
+def check_pruning_args(
+    x: jax.Array, sparsity: float, block: BlockSpec, criterion: str, selection: str, name: str = "x"
+) -> tuple[int, int]:
+    """Validates the pruning arguments shared by every layer; returns the ``(bm, bk)`` block."""
+    check_sparsity(sparsity)
+    block = normalize_block(block)
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ValueError(f"{name} must have a floating dtype, got {jnp.result_type(x)}")
+    return block
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _pruned_matmul(x: jax.Array, w: jax.Array, config: _Config) -> jax.Array:
     return _matmul(x, w, config.precision)
@@ -102,15 +117,9 @@ def bsr_linear(
       ``mask(x).T @ dy`` where ``mask`` zeroes the pruned blocks (f32 accumulation, cast to w's
       dtype). Under ``vmap`` each mapped instance is pruned on its own.
     """
-    check_sparsity(sparsity)
-    block = normalize_block(block)
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-    if selection not in SELECTIONS:
-        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
-    for name, a in (("x", x), ("w", w)):
-        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
-            raise ValueError(f"{name} must have a floating dtype, got {jnp.result_type(a)}")
+    block = check_pruning_args(x, sparsity, block, criterion, selection)
+    if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+        raise ValueError(f"w must have a floating dtype, got {jnp.result_type(w)}")
     if jnp.ndim(x) < 1 or jnp.ndim(w) != 2 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
         raise ValueError(f"expected x (..., K) and w (K, N), got x {jnp.shape(x)} and w {jnp.shape(w)}")
     if jnp.result_type(x) != jnp.result_type(w):
