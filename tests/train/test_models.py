@@ -1,0 +1,165 @@
+"""ResMLP: shapes, exact parameter counts, dense/sparse equivalence and residual memory per block."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bsr_jax
+from train.models import PRESETS, ResMLP, dense_def, layerscale_init_for
+
+
+def expected_param_count(dim: int, depth: int, patch: int, image: int, classes: int, channels: int = 3) -> int:
+    """ResMLP parameter count from its definition (Touvron et al. 2021)."""
+    tokens = (image // patch) ** 2
+    stem = patch * patch * channels * dim + dim
+    block = (
+        2 * dim  # affine1
+        + tokens * tokens + tokens  # token mixing
+        + dim  # layerscale1
+        + 2 * dim  # affine2
+        + dim * 4 * dim + 4 * dim  # fc1
+        + 4 * dim * dim + dim  # fc2
+        + dim  # layerscale2
+    )
+    return stem + depth * block + 2 * dim + dim * classes + classes
+
+
+def count(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize(
+    "preset, image, patch, classes",
+    [("s12", 224, 16, 1000), ("s24", 224, 16, 1000), ("b24", 224, 16, 1000), ("s12", 32, 4, 100), ("tiny", 32, 4, 10)],
+)
+def test_shapes_and_param_counts(preset, image, patch, classes):
+    model = ResMLP(num_classes=classes, patch_size=patch, **PRESETS[preset])
+    images = jax.ShapeDtypeStruct((2, image, image, 3), jnp.float32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), images)
+    logits = jax.eval_shape(model.apply, variables, images)
+    assert logits.shape == (2, classes) and logits.dtype == jnp.float32
+    assert count(variables) == expected_param_count(image=image, patch=patch, classes=classes, **PRESETS[preset])
+
+
+def test_s12_imagenet_has_about_15m_params():
+    # Touvron et al. report 15M for ResMLP-S12.
+    assert 15.0e6 < expected_param_count(384, 12, 16, 224, 1000) < 15.5e6
+
+
+def test_layerscale_init_follows_depth():
+    assert layerscale_init_for(12) == 0.1 and layerscale_init_for(24) == 1e-5
+    model = ResMLP(num_classes=10, patch_size=4, dim=16, depth=2)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    np.testing.assert_array_equal(params["block1"]["layerscale2"]["scale"], np.full((16,), 0.1, np.float32))
+
+
+def test_rejects_image_not_multiple_of_patch():
+    model = ResMLP(num_classes=10, patch_size=5, dim=16, depth=1)
+    with pytest.raises(ValueError, match="patch_size=5"):
+        model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+
+
+def small_model(dense, **kw):
+    return ResMLP(num_classes=10, patch_size=4, dim=32, depth=2, dense=dense, **kw)
+
+
+def loss_fn(model, params, images, labels):
+    logits = model.apply({"params": params}, images)
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0])
+
+
+@pytest.fixture(scope="module")
+def batch():
+    images = jax.random.normal(jax.random.key(1), (8, 16, 16, 3))
+    return images, jnp.arange(8) % 10
+
+
+def test_dense_and_sparse_share_parameter_trees(batch):
+    images, _ = batch
+    sparse = dense_def(sparsity=0.7, block=8)
+    trees = [
+        model.init(jax.random.key(0), images)
+        for model in (
+            small_model(nn.Dense, stem_dense=nn.Dense, head_dense=nn.Dense),
+            small_model(dense_def()),
+            small_model(sparse, stem_dense=sparse, head_dense=sparse),
+        )
+    ]
+    for tree in trees[1:]:
+        chex.assert_trees_all_equal_structs(tree, trees[0])
+        chex.assert_trees_all_equal(tree, trees[0])  # same initialisers, same key
+
+
+def test_sparsity_zero_is_the_plain_flax_model(batch):
+    images, labels = batch
+    plain = small_model(nn.Dense, stem_dense=nn.Dense, head_dense=nn.Dense)
+    ours = small_model(dense_def(sparsity=0.0))
+    params = plain.init(jax.random.key(0), images)["params"]
+    chex.assert_trees_all_close(
+        jax.grad(loss_fn, argnums=1)(ours, params, images, labels),
+        jax.grad(loss_fn, argnums=1)(plain, params, images, labels),
+        atol=1e-6,
+        rtol=1e-6,
+    )
+
+
+def test_sparse_model_changes_only_pruned_kernel_grads(batch):
+    images, labels = batch
+    dense, sparse = small_model(dense_def()), small_model(dense_def(sparsity=0.7, block=8))
+    params = dense.init(jax.random.key(0), images)["params"]
+    chex.assert_trees_all_equal(dense.apply({"params": params}, images), sparse.apply({"params": params}, images))
+    g_dense = jax.grad(loss_fn, argnums=1)(dense, params, images, labels)
+    g_sparse = jax.grad(loss_fn, argnums=1)(sparse, params, images, labels)
+    # The head and the last block's LayerScale/Affine see exact upstream gradients and dense inputs.
+    chex.assert_trees_all_close(g_sparse["head"], g_dense["head"], atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close(g_sparse["final_affine"], g_dense["final_affine"], atol=1e-6, rtol=1e-6)
+    assert not np.allclose(g_sparse["block1"]["fc2"]["kernel"], g_dense["block1"]["fc2"]["kernel"], atol=1e-6)
+
+
+def test_bf16_compute_keeps_f32_params_and_logits(batch):
+    images, _ = batch
+    model = small_model(dense_def(sparsity=0.5, block=8), dtype=jnp.bfloat16)
+    variables = model.init(jax.random.key(0), images)
+    assert {x.dtype for x in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
+    assert model.apply(variables, images).dtype == jnp.float32
+
+
+def linear_residual_bytes(m: int, k: int, n: int, sparsity: float, block: int) -> int:
+    """Activation bytes ``bsr_linear`` keeps for an f32 ``(m, k)`` input and a ``(k, n)`` kernel."""
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, n), jnp.float32)
+    fn = lambda w, x: bsr_jax.bsr_linear(x, w, sparsity=sparsity, block=block).sum()
+    kept = bsr_jax.residual_bytes(fn, w, x)
+    return kept.activations + kept.inputs
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.7])
+def test_residual_bytes_of_one_block(sparsity):
+    # One block of tokens (B, T, D) keeps 8 dense units of B*T*D floats (affine1, layerscale1, affine2
+    # and layerscale2 inputs, and GELU's 4D input only, thanks to jax.checkpoint) plus the inputs of
+    # its three linear layers: dense (1 + 1 + 4 units) at sparsity 0, their kept blocks otherwise.
+    # Differencing depth 2 and 1 isolates one block; differencing batch 2B and B cancels the
+    # batch-independent broadcast copies of parameters.
+    t, d, block = 16, 32, 8
+
+    def activations(depth, b):
+        images = jax.ShapeDtypeStruct((b, 16, 16, 3), jnp.float32)
+        model = ResMLP(num_classes=10, patch_size=4, dim=d, depth=depth, dense=dense_def(sparsity=sparsity, block=block))
+        params = jax.eval_shape(model.init, jax.random.key(0), images)["params"]
+        labels = jnp.zeros((b,), jnp.int32)
+        return bsr_jax.residual_bytes(lambda p, x: loss_fn(model, p, x, labels), params, images).activations
+
+    def block_bytes(b):
+        linear_inputs = (
+            linear_residual_bytes(b * d, t, t, sparsity, block)
+            + linear_residual_bytes(b * t, d, 4 * d, sparsity, block)
+            + linear_residual_bytes(b * t, 4 * d, d, sparsity, block)
+        )
+        if sparsity == 0.0:
+            assert linear_inputs == 6 * b * t * d * 4
+        return 8 * b * t * d * 4 + linear_inputs
+
+    measured = [activations(2, b) - activations(1, b) for b in (8, 16)]
+    assert measured[1] - measured[0] == block_bytes(16) - block_bytes(8)

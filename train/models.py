@@ -1,0 +1,158 @@
+"""ResMLP (Touvron et al. 2021, "ResMLP: Feedforward networks for image classification") in Flax linen.
+
+Every linear layer is a ``dense`` module passed in by the caller, normally a ``functools.partial``
+of ``bsr_jax.Dense`` that carries the sparsity, block, criterion, selection and backend (see
+``dense_def``). At sparsity 0 it is exactly the plain model. Only the weight gradients of the
+sparse layers are approximate; the forward pass and every input gradient are exact.
+
+Layout of one block, for tokens ``x (B, T, D)``::
+
+    x = x + LayerScale(TokenMixing(Affine(x)^T)^T)     # linear over the token axis (T -> T)
+    x = x + LayerScale(fc2(GELU(fc1(Affine(x)))))      # D -> 4D -> D
+
+GELU runs under ``jax.checkpoint`` so its backward keeps only its input, not the internal
+temporaries of erf; the dense and sparse models share this, so their memory differs only in the
+linear layers' residuals.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
+
+import bsr_jax
+
+ModuleDef = Any
+
+# Exact (erf) GELU as in ResMLP; recomputed in the backward pass from its input alone.
+_gelu = jax.checkpoint(functools.partial(nn.gelu, approximate=False))
+
+
+def dense_def(
+    *,
+    sparsity: float = 0.0,
+    block: bsr_jax.format.BlockSpec = 16,
+    criterion: str = "l2",
+    selection: str = "global",
+    backend: str | None = None,
+) -> ModuleDef:
+    """A ``bsr_jax.Dense`` constructor carrying the pruning settings, for ``ResMLP(dense=...)``."""
+    return functools.partial(
+        bsr_jax.Dense, sparsity=sparsity, block=block, criterion=criterion, selection=selection, backend=backend
+    )
+
+
+def layerscale_init_for(depth: int) -> float:
+    """ResMLP's LayerScale initial value: 0.1 up to 18 blocks, 1e-5 for deeper models."""
+    return 0.1 if depth <= 18 else 1e-5
+
+
+class Affine(nn.Module):
+    """``alpha * x + beta`` over the last axis (ResMLP's replacement for LayerNorm).
+
+    Params: ``alpha (D,)`` initialised to ones, ``beta (D,)`` to zeros.
+    """
+
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        alpha = self.param("alpha", nn.initializers.ones_init(), (x.shape[-1],), self.param_dtype)
+        beta = self.param("beta", nn.initializers.zeros_init(), (x.shape[-1],), self.param_dtype)
+        x, alpha, beta = promote_dtype(x, alpha, beta, dtype=self.dtype)
+        return x * alpha + beta
+
+
+class LayerScale(nn.Module):
+    """Per-channel scale ``x * scale`` of a residual branch; param ``scale (D,)`` = ``init_value``."""
+
+    init_value: float
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.constant(self.init_value), (x.shape[-1],), self.param_dtype)
+        x, scale = promote_dtype(x, scale, dtype=self.dtype)
+        return x * scale
+
+
+class ResMLPBlock(nn.Module):
+    """One ResMLP block on tokens ``(B, T, D)``; returns the same shape and dtype."""
+
+    dense: ModuleDef
+    layerscale_init: float
+    mlp_ratio: int = 4
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        tokens, dim = x.shape[-2], x.shape[-1]
+        y = Affine(dtype=self.dtype, name="affine1")(x)
+        y = self.dense(features=tokens, dtype=self.dtype, name="token_mixing")(jnp.swapaxes(y, -1, -2))
+        x = x + LayerScale(self.layerscale_init, dtype=self.dtype, name="layerscale1")(jnp.swapaxes(y, -1, -2))
+        y = Affine(dtype=self.dtype, name="affine2")(x)
+        y = self.dense(features=self.mlp_ratio * dim, dtype=self.dtype, name="fc1")(y)
+        y = self.dense(features=dim, dtype=self.dtype, name="fc2")(_gelu(y))
+        return x + LayerScale(self.layerscale_init, dtype=self.dtype, name="layerscale2")(y)
+
+
+class ResMLP(nn.Module):
+    """ResMLP classifier for images ``(B, H, W, C)`` -> logits ``(B, num_classes)`` float32.
+
+    Attributes:
+      num_classes: output classes.
+      dim: channels per token ``D``.
+      depth: number of blocks.
+      patch_size: side of the non-overlapping square patches; H and W must be multiples of it.
+      dense: constructor of the blocks' linear layers (``dense_def(...)``, or ``nn.Dense``).
+      stem_dense, head_dense: constructors of the patch embedding and classifier; dense by default,
+        pass ``dense`` to prune their inputs as well.
+      layerscale_init: LayerScale initial value; ``None`` uses ``layerscale_init_for(depth)``.
+      dtype: computation dtype (e.g. ``jnp.bfloat16``); params stay ``float32``.
+    """
+
+    num_classes: int
+    dim: int
+    depth: int
+    patch_size: int
+    dense: ModuleDef = bsr_jax.Dense
+    stem_dense: ModuleDef = bsr_jax.Dense
+    head_dense: ModuleDef = bsr_jax.Dense
+    mlp_ratio: int = 4
+    layerscale_init: float | None = None
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, images: jax.Array) -> jax.Array:
+        batch, height, width, channels = images.shape
+        p = self.patch_size
+        if height % p or width % p:
+            raise ValueError(f"image size {height}x{width} must be a multiple of patch_size={p}")
+        # Non-overlapping patches flattened in (row, col, channel) order: a stride-p conv as a linear.
+        patches = images.reshape(batch, height // p, p, width // p, p, channels).transpose(0, 1, 3, 2, 4, 5)
+        x = self.stem_dense(features=self.dim, dtype=self.dtype, name="stem")(
+            patches.reshape(batch, (height // p) * (width // p), p * p * channels)
+        )
+        init = layerscale_init_for(self.depth) if self.layerscale_init is None else self.layerscale_init
+        for i in range(self.depth):
+            x = ResMLPBlock(self.dense, init, self.mlp_ratio, dtype=self.dtype, name=f"block{i}")(x)
+        x = Affine(dtype=self.dtype, name="final_affine")(x)
+        logits = self.head_dense(features=self.num_classes, dtype=self.dtype, name="head")(x.mean(axis=1))
+        return logits.astype(jnp.float32)
+
+
+# Presets (ResMLP paper, Table 1). The patch size depends on the image size, so callers pass it:
+# 16 for 224px ImageNet, 4 for 32px CIFAR.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(dim=128, depth=4),
+    "s12": dict(dim=384, depth=12),
+    "s24": dict(dim=384, depth=24),
+    "b24": dict(dim=768, depth=24),
+}
