@@ -1,0 +1,86 @@
+"""Sparsity schedules and per-layer sparsity for any Flax model built from bsr_jax layers.
+
+Capacities are static shapes, so every distinct sparsity compiles its own program. Schedules here
+therefore return a few discrete levels, and per-layer rules are hashable tuples that can be a
+static argument of a jitted step.
+
+    rules = (("*/fc2", 0.9), ("block0/*", 0.0), ("*", 0.7))     # first match wins
+    with layer_sparsity(rules):
+        logits = model.apply(params, images)                     # inside jit, at trace time
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+from collections.abc import Iterator, Sequence
+
+import flax.linen as nn
+import jax
+
+from bsr_jax.elementwise import Affine, LayerScale
+from bsr_jax.format import check_sparsity
+from bsr_jax.layers import Dense
+
+SparsityRules = tuple[tuple[str, float], ...]
+PRUNABLE_LAYERS = (Dense, Affine, LayerScale)
+
+
+def warmup_sparsity(step: int, *, target: float, warmup_steps: int, levels: int = 4) -> float:
+    """Sparsity at ``step``: 0 until ``warmup_steps / levels``, then ``levels`` equal stairs up to
+    ``target``, reached at ``warmup_steps`` and kept after. ``levels + 1`` distinct values in all.
+    """
+    check_sparsity(target)
+    if warmup_steps < 0 or levels < 1:
+        raise ValueError(f"warmup_steps must be >= 0 and levels >= 1, got {warmup_steps} and {levels}")
+    if step >= warmup_steps:
+        return target
+    stair = math.floor(levels * step / warmup_steps)
+    return round(target * stair / levels, 6)
+
+
+def scale_rules(rules: SparsityRules, fraction: float) -> SparsityRules:
+    """Every rule's sparsity times ``fraction`` (e.g. a warmup ramp of per-layer targets)."""
+    return tuple((pattern, round(sparsity * fraction, 6)) for pattern, sparsity in rules)
+
+
+def _sparsity_for(path: str, rules: SparsityRules) -> float | None:
+    for pattern, sparsity in rules:
+        if fnmatch.fnmatchcase(path, pattern):
+            return sparsity
+    return None
+
+
+@contextlib.contextmanager
+def layer_sparsity(rules: SparsityRules | Sequence[tuple[str, float]]) -> Iterator[None]:
+    """Within the context, each bsr_jax layer whose module path ('/'-joined, e.g.
+    ``"block3/fc1"``) matches a pattern (``fnmatch``) runs at that pattern's sparsity; the first
+    matching rule wins and unmatched layers keep their own setting. Applies at trace time, so use
+    it inside the jitted function (with the rules as a static value).
+    """
+    rules = tuple((str(p), check_sparsity(s)) for p, s in rules)
+
+    def override(next_fun, args, kwargs, context):
+        if isinstance(context.module, PRUNABLE_LAYERS) and context.method_name == "__call__":
+            sparsity = _sparsity_for("/".join(context.module.path), rules)
+            if sparsity is not None:
+                kwargs = {**kwargs, "sparsity": sparsity}
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(override):
+        yield
+
+
+def prunable_layer_paths(apply_fn, *args, **kwargs) -> list[str]:
+    """Paths of the bsr_jax layers that ``apply_fn(*args, **kwargs)`` calls, in call order (traced only)."""
+    paths: list[str] = []
+
+    def record(next_fun, args, kwargs, context):
+        if isinstance(context.module, PRUNABLE_LAYERS) and context.method_name == "__call__":
+            paths.append("/".join(context.module.path))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(apply_fn, *args, **kwargs)
+    return list(dict.fromkeys(paths))
