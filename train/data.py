@@ -1,0 +1,394 @@
+"""Image-classification data: splits as uint8 arrays, and deterministic, resumable batches of them.
+
+`load_split` finds a split in this order (the first hit wins):
+  1. local files under `data_dir` and `data_dir/downloads/manual` (tfds' manual_dir), or, without
+     `data_dir`, under `$TFDS_DATA_DIR/downloads/manual` (default ~/tensorflow_datasets): the CIFAR
+     python archives (cifar-10-python.tar.gz, cifar-100-python.tar.gz or their extracted
+     directories), the ImageNet tars ILSVRC2012_img_{train,val}.tar, or an image folder
+     <root>/{train,test}/<class>/<image> as a directory or a .tar/.tar.gz (details and naming
+     rules in `train.data_sources`);
+  2. tensorflow-datasets: `tfds.data_source(name, data_dir=data_dir)` (array_record, read without
+     TensorFlow) when the dataset is prepared there (default data_dir: tfds' own). Preparing or
+     downloading through tfds needs TensorFlow, an optional extra: it is attempted only when
+     TensorFlow is installed.
+Otherwise `DataNotFoundError` says where it looked and how to provide the data.
+
+A split is decoded once and cached as uint8 arrays under `cache_dir` (default $BSR_JAX_CACHE or
+~/.cache/bsr_jax), keyed by the source's paths, sizes and mtimes; nothing is written beside the
+data. Images of datasets with varying sizes (ImageNet) are stored as squares of side
+round(image_size / 0.875) (shorter side resized, centre crop: 256 for 224), so a split fits in
+memory or in a memory-mapped cache file; training crops `image_size` out of them (random resized
+crop), evaluation takes the central `image_size` square (the usual resize-256 / crop-224).
+
+"test" means ImageNet's validation split (its test split has no labels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import queue
+import threading
+from typing import Any, Callable, Iterator, Literal
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from train import augment as aug
+from train.data_cache import CacheWriter, CachedSplit, cache_name, read_cache, resolve_cache_dir
+from train.data_decode import CHUNK, Chunk, decode_chunks, stored_size
+from train.data_sources import SPLIT_DIRS, Source, find_local_source, read_source
+
+DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
+# Per-channel mean and std of the training pixels in [0, 1].
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+MEAN_STD = {
+    "cifar10": (CIFAR10_MEAN, CIFAR10_STD),
+    "cifar100": (CIFAR100_MEAN, CIFAR100_STD),
+    "imagenet2012": (IMAGENET_MEAN, IMAGENET_STD),
+    # Custom image folders: ImageNet statistics, the usual default for natural images.
+    "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
+}
+_PERMUTATION_STREAM, _AUGMENT_STREAM = 0, 1
+
+
+class DataNotFoundError(Exception):
+    """No data for the requested split; the message lists every place looked at and the remedies."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArrayDataset:
+    """One split in memory (or memory-mapped).
+
+    images: uint8 (N, H, W, 3). labels: int32 (N,) in [0, num_classes).
+    mean, std: per-channel statistics of pixels / 255 used by the batch iterators.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+    def __post_init__(self):
+        if self.images.dtype != np.uint8 or self.images.ndim != 4 or self.images.shape[-1] != 3:
+            got = f"{self.images.dtype} {self.images.shape}"
+            raise ValueError(f"images must be uint8 (N, H, W, 3), got {got}")
+        if self.labels.dtype != np.int32 or self.labels.shape != self.images.shape[:1]:
+            got = f"{self.labels.dtype} {self.labels.shape}"
+            raise ValueError(f"labels must be int32 ({len(self.images)},), got {got}")
+        if self.num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        if len(self.labels) and not 0 <= self.labels.min() <= self.labels.max() < self.num_classes:
+            got = f"[{self.labels.min()}, {self.labels.max()}]"
+            raise ValueError(f"labels must lie in [0, {self.num_classes}), got {got}")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def load_split(
+    dataset: str,
+    split: Literal["train", "test"],
+    data_dir: str | None = None,
+    cache_dir: str | None = None,
+    image_size: int | None = None,
+) -> ArrayDataset:
+    """Load a split as uint8 arrays, decoding and caching it on first use (see module docstring).
+
+    Args:
+      dataset: "cifar10", "cifar100", "imagenet2012", or "imagefolder" (any image folder in
+        `data_dir`, normalised with ImageNet statistics).
+      split: "train" or "test" (ImageNet: its validation set).
+      data_dir: file or directory to search first (also a tfds data_dir).
+      cache_dir: where decoded arrays are cached; default $BSR_JAX_CACHE, else ~/.cache/bsr_jax.
+      image_size: model input size. None keeps native sizes (all images must agree, as in CIFAR);
+        else images are stored as squares of side round(image_size / 0.875). Required for
+        imagenet2012.
+
+    Returns:
+      ArrayDataset with images uint8 (N, H, W, 3), labels int32 (N,) and the dataset's mean/std.
+
+    Raises:
+      DataNotFoundError: nothing found; the message says where it looked and what to provide.
+    """
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if image_size is not None and image_size < 1:
+        raise ValueError(f"image_size must be a positive int or None, got {image_size}")
+    if dataset == "imagenet2012" and image_size is None:
+        raise ValueError("image_size is required for imagenet2012 (its images vary in size), e.g. 224")
+    cache_root = resolve_cache_dir(cache_dir)
+    source, looked = find_local_source(dataset, data_dir)
+    if source is not None:
+        cached = _load_local(source, dataset, split, image_size, cache_root)
+    else:
+        cached = _load_tfds(dataset, split, data_dir, image_size, cache_root, looked)
+    mean, std = MEAN_STD[dataset]
+    return ArrayDataset(cached.images, cached.labels, cached.meta["num_classes"], mean, std)
+
+
+def _load_local(
+    source: Source, dataset: str, split: str, image_size: int | None, cache_root: str
+) -> CachedSplit:
+    description = {"dataset": dataset, "image_size": image_size, "source": dataclasses.asdict(source),
+                   "files": source.fingerprint()}  # fmt: skip
+    name = cache_name({**description, "split": split})
+    cached = read_cache(cache_root, name)
+    if cached is None:
+        classes: list[str] = []
+        chunks = read_source(source, split, classes)
+        name_of = lambda s: cache_name({**description, "split": s})  # noqa: E731
+        meta = {"dataset": dataset, "source": source.path}
+        _decode_to_cache(chunks, classes, image_size, cache_root, name_of, meta)
+        cached = read_cache(cache_root, name)
+    if cached is None:
+        dirs = "/".join(SPLIT_DIRS[split])
+        raise DataNotFoundError(
+            f"Found {dataset} data at {source.path}, but it has no '{split}' split "
+            f"(an image folder needs a {dirs} directory next to train/). "
+            "Add it or point --data-dir elsewhere."
+        )
+    return cached
+
+
+def _decode_to_cache(
+    chunks: Iterator[Chunk],
+    classes: list[str],
+    image_size: int | None,
+    cache_root: str,
+    name_of: Callable[[str], str],
+    meta: dict[str, Any],
+) -> None:
+    """Decode every chunk into a cache entry per split; `classes` is complete once chunks are exhausted."""
+    writers: dict[str, CacheWriter] = {}
+    try:
+        for chunk in decode_chunks(chunks, stored_size(image_size)):
+            if chunk.split not in writers:
+                writers[chunk.split] = CacheWriter(cache_root)
+            writers[chunk.split].append(chunk.images, chunk.labels)
+        for split, dir_names in SPLIT_DIRS.items():
+            found = next((d for d in dir_names if d in writers), None)
+            if found is not None:
+                split_meta = {**meta, "split": split, "split_dir": found}
+                writers.pop(found).commit(name_of(split), classes, split_meta)
+    finally:
+        for writer in writers.values():
+            writer.discard()
+
+
+def _load_tfds(
+    dataset: str,
+    split: str,
+    data_dir: str | None,
+    image_size: int | None,
+    cache_root: str,
+    looked: list[str],
+) -> CachedSplit:
+    can_prepare = importlib.util.find_spec("tensorflow") is not None
+    if dataset == "imagefolder":
+        raise DataNotFoundError(_not_found_message(dataset, split, looked, "not a tfds dataset", can_prepare))
+    import tensorflow_datasets as tfds  # lazy: importing tfds costs about a second
+
+    tfds_split = "validation" if dataset == "imagenet2012" and split == "test" else split
+    try:
+        source = tfds.data_source(
+            dataset, split=tfds_split, data_dir=data_dir, download=can_prepare,
+            builder_kwargs={"file_format": "array_record"} if can_prepare else None,
+        )  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - tfds raises many types; all mean "not available here"
+        reason = _tfds_reason(tfds, dataset, data_dir, error)
+        raise DataNotFoundError(_not_found_message(dataset, split, looked, reason, can_prepare)) from None
+    info = source.dataset_info
+    paths = sorted(str(p) for p in info.data_path.iterdir()) if info.data_path.exists() else []
+    files = [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths]
+    description = {"dataset": dataset, "split": split, "image_size": image_size, "num_examples": len(source),
+                   "source": {"kind": "tfds", "path": str(info.data_path), "files": files}}  # fmt: skip
+    name = cache_name(description)
+    cached = read_cache(cache_root, name)
+    if cached is None:
+        classes = list(info.features["label"].names)
+        meta = {"dataset": dataset, "source": f"tfds:{info.data_path}"}
+        _decode_to_cache(_tfds_chunks(source, split), classes, image_size, cache_root, lambda _: name, meta)
+        cached = read_cache(cache_root, name)
+    return cached
+
+
+def _tfds_chunks(source: Any, split: str) -> Iterator[Chunk]:
+    for start in tqdm(range(0, len(source), CHUNK), desc="reading tfds", unit="chunk", mininterval=1.0):
+        examples = [source[i] for i in range(start, min(start + CHUNK, len(source)))]
+        yield Chunk(split, [int(e["label"]) for e in examples], [e["image"] for e in examples])
+
+
+def _tfds_reason(tfds: Any, dataset: str, data_dir: str | None, error: Exception) -> str:
+    try:
+        builder = tfds.builder(dataset, data_dir=data_dir)
+        where = builder.data_dir
+        if builder.is_prepared():
+            return f"prepared at {where} as {builder.info.file_format.value}, not array_record ({error})"
+        return f"not prepared at {where}"
+    except Exception:  # noqa: BLE001 - the reason is best effort; the original error says enough
+        return str(error).splitlines()[0]
+
+
+def _not_found_message(
+    dataset: str, split: str, looked: list[str], tfds_reason: str, can_prepare: bool
+) -> str:
+    cifar = "the {} python archive {} (https://www.cs.toronto.edu/~kriz/cifar.html), its directory or {}/, "
+    provide = {
+        "cifar10": cifar.format("CIFAR-10", "cifar-10-python.tar.gz", "its extracted cifar-10-batches-py"),
+        "cifar100": cifar.format("CIFAR-100", "cifar-100-python.tar.gz", "its extracted cifar-100-python"),
+        "imagenet2012": "a directory holding ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
+        "(tfds' manual_dir layout; <dir>/downloads/manual also works), ",
+        "imagefolder": "",
+    }[dataset]
+    if dataset == "imagefolder":
+        tfds_hint = ""
+    elif can_prepare:
+        tfds_hint = f" TensorFlow is installed, yet tensorflow-datasets could not download or prepare {dataset}."
+    else:
+        tfds_hint = (
+            f" Or prepare it with tensorflow-datasets, which needs TensorFlow (an optional extra, not installed: "
+            f"pip install tensorflow; then tfds build {dataset} --file_format=array_record) and pass its data_dir."
+        )
+    return (
+        f"No {dataset} '{split}' data found. Looked at: {'; '.join(looked)}; tfds: {tfds_reason}. "
+        f"To provide it, pass --data-dir with {provide}or an image folder <root>/train/<class>/*.jpg and "
+        f"<root>/test/<class>/*.jpg as a directory or a .tar/.tar.gz archive (<root> may be one level down "
+        f"inside it; labels are the alphabetical class index).{tfds_hint}"
+    )
+
+
+def steps_per_epoch(data: ArrayDataset, batch_size: int) -> int:
+    """Full training batches per epoch (the last partial batch is dropped)."""
+    if not 1 <= batch_size <= len(data):
+        raise ValueError(f"batch_size must be in [1, {len(data)}] (the split size), got {batch_size}")
+    return len(data) // batch_size
+
+
+def train_batches(
+    data: ArrayDataset,
+    batch_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    start_batch: int = 0,
+    augment: Literal["cifar", "imagenet", "none"] = "cifar",
+    image_size: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Shuffled, augmented, normalised batches of one epoch, from batch `start_batch` on.
+
+    The order is a permutation drawn from (seed, epoch); each batch's augmentation is drawn from
+    (seed, epoch, batch index), so starting at `start_batch` yields exactly the batches an
+    uninterrupted epoch yields from there. Augmentations: "cifar" random crop with 4-pixel zero
+    padding + horizontal flip; "imagenet" random resized crop to `image_size` + flip; "none"
+    central `image_size` crop (or nothing).
+
+    Yields:
+      {"image": float32 (B, S, S, 3) normalised with data.mean/std, "label": int32 (B,)} with
+      S = image_size, or the stored size when None.
+    """
+    steps = steps_per_epoch(data, batch_size)
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    if not 0 <= start_batch <= steps:
+        raise ValueError(f"start_batch must be in [0, {steps}], got {start_batch}")
+    stored = data.images.shape[1]
+    if augment == "cifar" and image_size not in (None, stored):
+        raise ValueError(f"augment='cifar' keeps the stored size {stored}; image_size must be None or {stored}")
+    if augment not in ("cifar", "imagenet", "none"):
+        raise ValueError(f"augment must be 'cifar', 'imagenet' or 'none', got {augment!r}")
+    order = np.random.default_rng([seed, epoch, _PERMUTATION_STREAM]).permutation(len(data))
+    for step in range(start_batch, steps):
+        idx = order[step * batch_size : (step + 1) * batch_size]
+        images = data.images[idx]
+        rng = np.random.default_rng([seed, epoch, _AUGMENT_STREAM, step])
+        if augment == "cifar":
+            images = aug.pad_crop_flip(images, rng)
+        elif augment == "imagenet":
+            images = aug.random_resized_crop(images, rng, image_size or stored)
+        elif image_size is not None:
+            images = aug.center_crop(images, image_size)
+        yield {"image": aug.normalize(images, data.mean, data.std), "label": data.labels[idx]}
+
+
+def eval_batches(
+    data: ArrayDataset, batch_size: int, *, image_size: int | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """Every example exactly once, in order; the last batch is padded to `batch_size`.
+
+    Yields:
+      {"image": float32 (B, S, S, 3) normalised (central `image_size` crop when given, zeros in
+      padding), "label": int32 (B,) (0 in padding), "mask": float32 (B,) 1 for real examples, 0 for padding}.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for start in range(0, len(data), batch_size):
+        images = data.images[start : start + batch_size]
+        if image_size is not None:
+            images = aug.center_crop(images, image_size)
+        real = len(images)
+        batch = {
+            "image": np.zeros((batch_size, *images.shape[1:]), np.float32),
+            "label": np.zeros(batch_size, np.int32),
+            "mask": np.zeros(batch_size, np.float32),
+        }
+        batch["image"][:real] = aug.normalize(images, data.mean, data.std)
+        batch["label"][:real] = data.labels[start : start + batch_size]
+        batch["mask"][:real] = 1.0
+        yield batch
+
+
+def prefetch(
+    iterator: Iterator[Any], size: int = 2, sharding: jax.sharding.Sharding | None = None
+) -> Iterator[Any]:
+    """Run `iterator` in a background thread, keeping up to `size` items ready.
+
+    With `sharding`, every array leaf is placed with `jax.make_array_from_process_local_data`
+    (this process's rows of a batch sharded along its first axis; one process: the whole batch).
+    Exceptions in the iterator are re-raised in the consumer; abandoning the generator stops the thread.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    items: queue.Queue = queue.Queue(maxsize=size)
+    stop = threading.Event()
+    done = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in iterator:
+                if sharding is not None:
+                    item = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), item)
+                if not put((item, None)):
+                    return
+            put((done, None))
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            put((None, error))
+
+    thread = threading.Thread(target=produce, daemon=True, name="prefetch")
+    thread.start()
+    try:
+        while True:
+            item, error = items.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()

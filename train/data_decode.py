@@ -1,0 +1,97 @@
+"""Image decoding for the data layer: chunks of encoded images -> uint8 arrays, in a thread pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator
+
+import numpy as np
+from PIL import Image
+
+STORE_RATIO = 1 / 0.875  # stored side = image_size / 0.875: 224 -> 256, the usual eval resize
+CHUNK = 512  # images per decode task
+
+
+def stored_size(image_size: int | None) -> int | None:
+    """Side of the square images cached for a requested model input size (None: native size)."""
+    return None if image_size is None else int(round(image_size * STORE_RATIO))
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Up to CHUNK examples of one split. images: list of encoded bytes or uint8 (H, W, 3) arrays,
+    or a uint8 (n, H, W, 3) array once decoded; labels: ints, or class names (image-folder
+    archives, whose class list is known only at the end); split: "train", "test" or an
+    image-folder split directory name ("val", "validation")."""
+
+    split: str
+    labels: list[Any]
+    images: Any
+
+
+def decode_images(images: Any, size: int | None) -> np.ndarray:
+    """Encoded images (bytes) or uint8 arrays -> uint8 (n, H, W, 3).
+
+    size None keeps every image's own size (they must agree); else each image is resized so its
+    shorter side is `size` (bicubic, antialiased) and centre-cropped to size x size.
+    """
+    if isinstance(images, np.ndarray) and size is None:
+        return images.astype(np.uint8, copy=False)
+    decoded = [_decode_one(image, size) for image in images]
+    shapes = sorted({a.shape for a in decoded})
+    if len(shapes) > 1:
+        raise ValueError(f"images have different sizes {shapes[:3]}; pass image_size to resize them")
+    return np.stack(decoded)
+
+
+def _decode_one(image: Any, size: int | None) -> np.ndarray:
+    if isinstance(image, np.ndarray):
+        if size is None:
+            return image
+        pil = Image.fromarray(image)
+    else:
+        pil = Image.open(io.BytesIO(image))
+        if size is not None:
+            # JPEG DCT-domain downscaling; never below the requested size.
+            pil.draft("RGB", (size, size))
+    pil = pil.convert("RGB")
+    if size is not None:
+        w, h = pil.size
+        scale = size / min(w, h)
+        new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
+        left, top = (new_w - size) // 2, (new_h - size) // 2
+        pil = pil.resize((new_w, new_h), Image.Resampling.BICUBIC)
+        pil = pil.crop((left, top, left + size, top + size))
+    return np.asarray(pil)
+
+
+def decode_chunks(chunks: Iterator[Chunk], size: int | None) -> Iterator[Chunk]:
+    """Decode chunks in order, several at a time in a thread pool, while the reader reads ahead.
+
+    Threads, not processes: PIL's decoders and zlib release the GIL, so on the 60,000-image
+    CIFAR-10 archive (2 cores) 2 threads take 8 s against 16 s serially; 2 processes took 5 s, but
+    a process pool must re-import the caller's main module ("spawn"; fork is unsafe under JAX's
+    threads), which breaks scripts without an `if __name__ == "__main__"` guard.
+    """
+    workers = min(len(os.sched_getaffinity(0)), 8)
+    pending: deque[tuple[Chunk, Future]] = deque()
+    with ThreadPoolExecutor(workers, thread_name_prefix="decode") as pool:
+        try:
+            for chunk in chunks:
+                pending.append((chunk, pool.submit(decode_images, chunk.images, size)))
+                # Bounded look-ahead: memory stays a few chunks, whatever the source size.
+                while len(pending) > 2 * workers:
+                    yield _finished(*pending.popleft())
+            while pending:
+                yield _finished(*pending.popleft())
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+def _finished(chunk: Chunk, result: Future) -> Chunk:
+    return Chunk(chunk.split, chunk.labels, result.result())
