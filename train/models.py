@@ -10,6 +10,9 @@ Layout of one block, for tokens ``x (B, T, D)``::
     x = x + LayerScale(TokenMixing(Affine(x)^T)^T)     # linear over the token axis (T -> T)
     x = x + LayerScale(fc2(GELU(fc1(Affine(x)))))      # D -> 4D -> D
 
+Affine (``alpha * x + beta``) and LayerScale are ``bsr_jax.Affine`` / ``bsr_jax.LayerScale``, which
+can prune the residual of their scale gradient the same way (off by default).
+
 GELU runs under ``jax.checkpoint`` so its backward keeps only its input, not the internal
 temporaries of erf; the dense and sparse models share this, so their memory differs only in the
 linear layers' residuals.
@@ -23,7 +26,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen.dtypes import promote_dtype
 
 import bsr_jax
 
@@ -47,46 +49,29 @@ def dense_def(
     )
 
 
+def scale_shift_defs(
+    *, sparsity: float = 0.0, block: bsr_jax.format.BlockSpec = 16, criterion: str = "l2", selection: str = "global"
+) -> tuple[ModuleDef, ModuleDef]:
+    """``(affine, layerscale)`` constructors whose scale gradients see only the largest input blocks.
+
+    Their input and shift gradients stay exact (see ``bsr_jax.bsr_scale_shift``); sparsity 0 is
+    the plain ``alpha * x + beta`` and ``scale * x``.
+    """
+    options = dict(sparsity=sparsity, block=block, criterion=criterion, selection=selection)
+    return functools.partial(bsr_jax.Affine, **options), functools.partial(bsr_jax.LayerScale, **options)
+
+
 def layerscale_init_for(depth: int) -> float:
     """ResMLP's LayerScale initial value: 0.1 up to 18 blocks, 1e-5 for deeper models."""
     return 0.1 if depth <= 18 else 1e-5
-
-
-class Affine(nn.Module):
-    """``alpha * x + beta`` over the last axis (ResMLP's replacement for LayerNorm).
-
-    Params: ``alpha (D,)`` initialised to ones, ``beta (D,)`` to zeros.
-    """
-
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        alpha = self.param("alpha", nn.initializers.ones_init(), (x.shape[-1],), self.param_dtype)
-        beta = self.param("beta", nn.initializers.zeros_init(), (x.shape[-1],), self.param_dtype)
-        x, alpha, beta = promote_dtype(x, alpha, beta, dtype=self.dtype)
-        return x * alpha + beta
-
-
-class LayerScale(nn.Module):
-    """Per-channel scale ``x * scale`` of a residual branch; param ``scale (D,)`` = ``init_value``."""
-
-    init_value: float
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.constant(self.init_value), (x.shape[-1],), self.param_dtype)
-        x, scale = promote_dtype(x, scale, dtype=self.dtype)
-        return x * scale
 
 
 class ResMLPBlock(nn.Module):
     """One ResMLP block on tokens ``(B, T, D)``; returns the same shape and dtype."""
 
     dense: ModuleDef
+    affine: ModuleDef
+    layerscale: ModuleDef
     layerscale_init: float
     mlp_ratio: int = 4
     dtype: Any = None
@@ -94,13 +79,14 @@ class ResMLPBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         tokens, dim = x.shape[-2], x.shape[-1]
-        y = Affine(dtype=self.dtype, name="affine1")(x)
+        scale = functools.partial(self.layerscale, init_value=self.layerscale_init, dtype=self.dtype)
+        y = self.affine(dtype=self.dtype, name="affine1")(x)
         y = self.dense(features=tokens, dtype=self.dtype, name="token_mixing")(jnp.swapaxes(y, -1, -2))
-        x = x + LayerScale(self.layerscale_init, dtype=self.dtype, name="layerscale1")(jnp.swapaxes(y, -1, -2))
-        y = Affine(dtype=self.dtype, name="affine2")(x)
+        x = x + scale(name="layerscale1")(jnp.swapaxes(y, -1, -2))
+        y = self.affine(dtype=self.dtype, name="affine2")(x)
         y = self.dense(features=self.mlp_ratio * dim, dtype=self.dtype, name="fc1")(y)
         y = self.dense(features=dim, dtype=self.dtype, name="fc2")(_gelu(y))
-        return x + LayerScale(self.layerscale_init, dtype=self.dtype, name="layerscale2")(y)
+        return x + scale(name="layerscale2")(y)
 
 
 class ResMLP(nn.Module):
@@ -114,6 +100,11 @@ class ResMLP(nn.Module):
       dense: constructor of the blocks' linear layers (``dense_def(...)``, or ``nn.Dense``).
       stem_dense, head_dense: constructors of the patch embedding and classifier; dense by default,
         pass ``dense`` to prune their inputs as well.
+      affine, layerscale: constructors of the Affine and LayerScale layers (``bsr_jax.Affine`` and
+        ``bsr_jax.LayerScale``, unpruned by default; see ``scale_shift_defs``). Params: ``alpha``,
+        ``beta`` and ``scale``, each ``(D,)``.
+      remat: recompute each block in the backward pass (``nn.remat``), keeping only block inputs:
+        the classic memory baseline to compare block-sparse residuals against.
       layerscale_init: LayerScale initial value; ``None`` uses ``layerscale_init_for(depth)``.
       dtype: computation dtype (e.g. ``jnp.bfloat16``); params stay ``float32``.
     """
@@ -125,6 +116,9 @@ class ResMLP(nn.Module):
     dense: ModuleDef = bsr_jax.Dense
     stem_dense: ModuleDef = bsr_jax.Dense
     head_dense: ModuleDef = bsr_jax.Dense
+    affine: ModuleDef = bsr_jax.Affine
+    layerscale: ModuleDef = bsr_jax.LayerScale
+    remat: bool = False
     mlp_ratio: int = 4
     layerscale_init: float | None = None
     dtype: Any = None
@@ -141,9 +135,10 @@ class ResMLP(nn.Module):
             patches.reshape(batch, (height // p) * (width // p), p * p * channels)
         )
         init = layerscale_init_for(self.depth) if self.layerscale_init is None else self.layerscale_init
+        block = nn.remat(ResMLPBlock) if self.remat else ResMLPBlock
         for i in range(self.depth):
-            x = ResMLPBlock(self.dense, init, self.mlp_ratio, dtype=self.dtype, name=f"block{i}")(x)
-        x = Affine(dtype=self.dtype, name="final_affine")(x)
+            x = block(self.dense, self.affine, self.layerscale, init, self.mlp_ratio, dtype=self.dtype, name=f"block{i}")(x)
+        x = self.affine(dtype=self.dtype, name="final_affine")(x)
         logits = self.head_dense(features=self.num_classes, dtype=self.dtype, name="head")(x.mean(axis=1))
         return logits.astype(jnp.float32)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import bsr_jax
-from train.models import PRESETS, ResMLP, dense_def, layerscale_init_for
+from train.models import PRESETS, ResMLP, dense_def, layerscale_init_for, scale_shift_defs
 
 
 def expected_param_count(dim: int, depth: int, patch: int, image: int, classes: int, channels: int = 3) -> int:
@@ -52,7 +52,7 @@ def test_s12_imagenet_has_about_15m_params():
 def test_layerscale_init_follows_depth():
     assert layerscale_init_for(12) == 0.1 and layerscale_init_for(24) == 1e-5
     model = ResMLP(num_classes=10, patch_size=4, dim=16, depth=2)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    params = init(model, jnp.zeros((1, 8, 8, 3)))["params"]
     np.testing.assert_array_equal(params["block1"]["layerscale2"]["scale"], np.full((16,), 0.1, np.float32))
 
 
@@ -63,7 +63,15 @@ def test_rejects_image_not_multiple_of_patch():
 
 
 def small_model(dense, **kw):
-    return ResMLP(num_classes=10, patch_size=4, dim=32, depth=2, dense=dense, **kw)
+    return ResMLP(num_classes=10, patch_size=4, dim=32, depth=1, dense=dense, **kw)
+
+
+def init(model, images):
+    return jax.jit(model.init)(jax.random.key(0), images)
+
+
+def grads(model, params, images, labels):
+    return jax.jit(jax.grad(lambda p: loss_fn(model, p, images, labels)))(params)
 
 
 def loss_fn(model, params, images, labels):
@@ -80,12 +88,14 @@ def batch():
 def test_dense_and_sparse_share_parameter_trees(batch):
     images, _ = batch
     sparse = dense_def(sparsity=0.7, block=8)
+    affine, layerscale = scale_shift_defs(sparsity=0.7, block=8)
     trees = [
-        model.init(jax.random.key(0), images)
+        init(model, images)
         for model in (
             small_model(nn.Dense, stem_dense=nn.Dense, head_dense=nn.Dense),
             small_model(dense_def()),
             small_model(sparse, stem_dense=sparse, head_dense=sparse),
+            small_model(sparse, affine=affine, layerscale=layerscale, remat=True),
         )
     ]
     for tree in trees[1:]:
@@ -97,10 +107,10 @@ def test_sparsity_zero_is_the_plain_flax_model(batch):
     images, labels = batch
     plain = small_model(nn.Dense, stem_dense=nn.Dense, head_dense=nn.Dense)
     ours = small_model(dense_def(sparsity=0.0))
-    params = plain.init(jax.random.key(0), images)["params"]
+    params = init(plain, images)["params"]
     chex.assert_trees_all_close(
-        jax.grad(loss_fn, argnums=1)(ours, params, images, labels),
-        jax.grad(loss_fn, argnums=1)(plain, params, images, labels),
+        grads(ours, params, images, labels),
+        grads(plain, params, images, labels),
         atol=1e-6,
         rtol=1e-6,
     )
@@ -109,22 +119,36 @@ def test_sparsity_zero_is_the_plain_flax_model(batch):
 def test_sparse_model_changes_only_pruned_kernel_grads(batch):
     images, labels = batch
     dense, sparse = small_model(dense_def()), small_model(dense_def(sparsity=0.7, block=8))
-    params = dense.init(jax.random.key(0), images)["params"]
-    chex.assert_trees_all_equal(dense.apply({"params": params}, images), sparse.apply({"params": params}, images))
-    g_dense = jax.grad(loss_fn, argnums=1)(dense, params, images, labels)
-    g_sparse = jax.grad(loss_fn, argnums=1)(sparse, params, images, labels)
-    # The head and the last block's LayerScale/Affine see exact upstream gradients and dense inputs.
+    params = init(dense, images)["params"]
+    chex.assert_trees_all_equal(*(jax.jit(m.apply)({"params": params}, images) for m in (dense, sparse)))
+    g_dense = grads(dense, params, images, labels)
+    g_sparse = grads(sparse, params, images, labels)
+    # The head and the final Affine see exact upstream gradients and dense inputs.
     chex.assert_trees_all_close(g_sparse["head"], g_dense["head"], atol=1e-6, rtol=1e-6)
     chex.assert_trees_all_close(g_sparse["final_affine"], g_dense["final_affine"], atol=1e-6, rtol=1e-6)
-    assert not np.allclose(g_sparse["block1"]["fc2"]["kernel"], g_dense["block1"]["fc2"]["kernel"], atol=1e-6)
+    assert not np.allclose(g_sparse["block0"]["fc2"]["kernel"], g_dense["block0"]["fc2"]["kernel"], atol=1e-6)
+
+
+def test_remat_gives_the_same_gradients_and_keeps_less(batch):
+    images, labels = batch
+    plain, remat = small_model(dense_def()), small_model(dense_def(), remat=True)
+    params = init(plain, images)["params"]
+    chex.assert_trees_all_close(
+        grads(remat, params, images, labels),
+        grads(plain, params, images, labels),
+        atol=1e-6,
+        rtol=1e-6,
+    )
+    kept = [bsr_jax.residual_bytes(lambda p, x: loss_fn(m, p, x, labels), params, images).activations for m in (plain, remat)]
+    assert kept[1] < kept[0] / 2
 
 
 def test_bf16_compute_keeps_f32_params_and_logits(batch):
     images, _ = batch
     model = small_model(dense_def(sparsity=0.5, block=8), dtype=jnp.bfloat16)
-    variables = model.init(jax.random.key(0), images)
+    variables = init(model, images)
     assert {x.dtype for x in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
-    assert model.apply(variables, images).dtype == jnp.float32
+    assert jax.jit(model.apply)(variables, images).dtype == jnp.float32
 
 
 def linear_residual_bytes(m: int, k: int, n: int, sparsity: float, block: int) -> int:
@@ -135,18 +159,35 @@ def linear_residual_bytes(m: int, k: int, n: int, sparsity: float, block: int) -
     return kept.activations + kept.inputs
 
 
-@pytest.mark.parametrize("sparsity", [0.0, 0.7])
-def test_residual_bytes_of_one_block(sparsity):
-    # One block of tokens (B, T, D) keeps 8 dense units of B*T*D floats (affine1, layerscale1, affine2
-    # and layerscale2 inputs, and GELU's 4D input only, thanks to jax.checkpoint) plus the inputs of
-    # its three linear layers: dense (1 + 1 + 4 units) at sparsity 0, their kept blocks otherwise.
-    # Differencing depth 2 and 1 isolates one block; differencing batch 2B and B cancels the
-    # batch-independent broadcast copies of parameters.
+def scale_shift_residual_bytes(m: int, k: int, sparsity: float, block: int) -> int:
+    """Activation bytes ``bsr_scale_shift`` keeps for an f32 ``(m, k)`` input."""
+    x, scale = jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.float32)
+    fn = lambda scale, x: bsr_jax.bsr_scale_shift(x, scale, sparsity=sparsity, block=block).sum()
+    kept = bsr_jax.residual_bytes(fn, scale, x)
+    return kept.activations + kept.inputs
+
+
+@pytest.mark.parametrize("sparsity, prune_scale_shift", [(0.0, False), (0.7, False), (0.7, True)])
+def test_residual_bytes_of_one_block(sparsity, prune_scale_shift):
+    # One block of tokens (B, T, D) keeps GELU's 4D input only (4 units of B*T*D floats, thanks to
+    # jax.checkpoint), the inputs of its 4 scale/shift layers (affine1, layerscale1, affine2,
+    # layerscale2: 1 unit each when dense) and of its three linear layers (1 + 1 + 4 units when
+    # dense), or their kept blocks when pruned. Differencing depth 2 and 1 isolates one block;
+    # differencing batch 2B and B cancels the batch-independent broadcast copies of parameters.
     t, d, block = 16, 32, 8
+    affine, layerscale = scale_shift_defs(sparsity=sparsity if prune_scale_shift else 0.0, block=block)
 
     def activations(depth, b):
         images = jax.ShapeDtypeStruct((b, 16, 16, 3), jnp.float32)
-        model = ResMLP(num_classes=10, patch_size=4, dim=d, depth=depth, dense=dense_def(sparsity=sparsity, block=block))
+        model = ResMLP(
+            num_classes=10,
+            patch_size=4,
+            dim=d,
+            depth=depth,
+            dense=dense_def(sparsity=sparsity, block=block),
+            affine=affine,
+            layerscale=layerscale,
+        )
         params = jax.eval_shape(model.init, jax.random.key(0), images)["params"]
         labels = jnp.zeros((b,), jnp.int32)
         return bsr_jax.residual_bytes(lambda p, x: loss_fn(model, p, x, labels), params, images).activations
@@ -157,9 +198,10 @@ def test_residual_bytes_of_one_block(sparsity):
             + linear_residual_bytes(b * t, d, 4 * d, sparsity, block)
             + linear_residual_bytes(b * t, 4 * d, d, sparsity, block)
         )
+        scale_inputs = 4 * scale_shift_residual_bytes(b * t, d, sparsity if prune_scale_shift else 0.0, block)
         if sparsity == 0.0:
             assert linear_inputs == 6 * b * t * d * 4
-        return 8 * b * t * d * 4 + linear_inputs
+        return 4 * b * t * d * 4 + scale_inputs + linear_inputs
 
     measured = [activations(2, b) - activations(1, b) for b in (8, 16)]
     assert measured[1] - measured[0] == block_bytes(16) - block_bytes(8)
