@@ -14,8 +14,8 @@
 Otherwise `DataNotFoundError` says where it looked and how to provide the data.
 
 A split is decoded once and cached as uint8 arrays under `cache_dir` (default $BSR_JAX_CACHE or
-~/.cache/bsr_jax), keyed by the source's paths, sizes and mtimes; nothing is written beside the
-data. Images of datasets with varying sizes (ImageNet) are stored as squares of side
+~/.cache/bsr_jax), keyed by the source's paths, sizes and mtimes (`Source.fingerprint`); nothing
+is written beside the data. Images of datasets with varying sizes (ImageNet) are stored as squares of side
 round(image_size / 0.875) (shorter side resized, centre crop: 256 for 224), so a split fits in
 memory or in a memory-mapped cache file; training crops `image_size` out of them (random resized
 crop), evaluation takes the central `image_size` square (the usual resize-256 / crop-224).
@@ -191,7 +191,7 @@ def _load_tfds(
     cache_root: str,
     looked: list[str],
 ) -> CachedSplit:
-    can_prepare = importlib.util.find_spec("tensorflow") is not None
+    can_prepare = _tensorflow_installed()
     if dataset == "imagefolder":
         raise DataNotFoundError(_not_found_message(dataset, split, looked, "not a tfds dataset", can_prepare))
     import tensorflow_datasets as tfds  # lazy: importing tfds costs about a second
@@ -206,18 +206,24 @@ def _load_tfds(
         reason = _tfds_reason(tfds, dataset, data_dir, error)
         raise DataNotFoundError(_not_found_message(dataset, split, looked, reason, can_prepare)) from None
     info = source.dataset_info
-    paths = sorted(str(p) for p in info.data_path.iterdir()) if info.data_path.exists() else []
+    where = str(info.data_dir)
+    paths = sorted(os.path.join(where, n) for n in os.listdir(where)) if os.path.isdir(where) else []
     files = [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths]
     description = {"dataset": dataset, "split": split, "image_size": image_size, "num_examples": len(source),
-                   "source": {"kind": "tfds", "path": str(info.data_path), "files": files}}  # fmt: skip
+                   "source": {"kind": "tfds", "path": where, "files": files}}  # fmt: skip
     name = cache_name(description)
     cached = read_cache(cache_root, name)
     if cached is None:
         classes = list(info.features["label"].names)
-        meta = {"dataset": dataset, "source": f"tfds:{info.data_path}"}
+        meta = {"dataset": dataset, "source": f"tfds:{where}"}
         _decode_to_cache(_tfds_chunks(source, split), classes, image_size, cache_root, lambda _: name, meta)
         cached = read_cache(cache_root, name)
     return cached
+
+
+def _tensorflow_installed() -> bool:
+    """tfds downloads and prepares datasets only with TensorFlow (optional extra, not a dependency)."""
+    return importlib.util.find_spec("tensorflow") is not None
 
 
 def _tfds_chunks(source: Any, split: str) -> Iterator[Chunk]:

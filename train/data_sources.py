@@ -66,7 +66,12 @@ class Source:
         return self.kind == "cifar_python" or (self.kind == "image_folder" and os.path.isfile(self.path))
 
     def fingerprint(self) -> list[Any]:
-        """Paths, sizes and mtimes that change whenever the data does (for the cache key)."""
+        """Paths, sizes and mtimes that identify the data's version (for the cache key).
+
+        Files: the file itself. Directories: the root, its entries and their entries (split and
+        class directories), whose mtimes change when images are added, removed or renamed, but not
+        when an image is rewritten in place (stat-ing every image would cost seconds on ImageNet).
+        """
         paths = [self.path]
         if self.kind == "ilsvrc":
             paths = [os.path.join(self.path, n) for n in ILSVRC_TARS.values()]
