@@ -1,14 +1,15 @@
 """bsr-jax: block-sparse activation residuals for memory-efficient training in JAX/Flax."""
 
-from bsr_jax.elementwise import Affine, LayerScale, bsr_scale_shift
-from bsr_jax.format import BlockSparse, capacity_for, from_dense
-from bsr_jax.layers import Dense
+from bsr_jax.elementwise import bsr_scale_shift
+from bsr_jax.format import BlockSparse, Pruning, capacity_for, from_dense
+from bsr_jax.layers import Affine, Dense, LayerScale
 from bsr_jax.linear import bsr_linear
 from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, residual_bytes
 
 __all__ = [
     "Affine",
     "LayerScale",
+    "Pruning",
     "BlockSparse",
     "CompiledMemory",
     "Dense",

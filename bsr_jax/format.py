@@ -36,7 +36,10 @@ Criterion = Literal["l2", "l1"]
 Selection = Literal["global", "column"]
 BlockSpec = int | tuple[int, int]
 
+StorageDtype = Literal["bfloat16", "int8", "float8_e4m3fn"]
+
 CRITERIA = ("l2", "l1")
+STORAGE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 SELECTIONS = ("global", "column")
 
 
@@ -50,6 +53,8 @@ class BlockSparse:
     col_ptr: jax.Array
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    scales: jax.Array | None = None
+    dense_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def capacity(self) -> int:
@@ -79,14 +84,28 @@ class BlockSparse:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the stored arrays (values and indices)."""
-        return sum(a.size * a.dtype.itemsize for a in (self.values, self.block_rows, self.col_ptr))
+        """Bytes held by the stored arrays (values, per-block scales and indices)."""
+        arrays = (self.values, self.block_rows, self.col_ptr, self.scales)
+        return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+
+    def dequantized(self) -> BlockSparse:
+        """The same blocks with values in the original input dtype and no scales (a no-op when
+        ``from_dense`` stored them at full precision)."""
+        dtype = self.dense_dtype or self.values.dtype
+        if self.scales is None and self.values.dtype == dtype:
+            return self
+        values = self.values.astype(jnp.float32)
+        if self.scales is not None:
+            values = values * self.scales[:, None, None]
+        return dataclasses.replace(self, values=values.astype(dtype), scales=None)
 
     def to_dense(self, padded: bool = False) -> jax.Array:
-        """The ``(M, K)`` matrix (``padded_shape`` if ``padded``) with pruned blocks as zeros."""
+        """The ``(M, K)`` matrix (``padded_shape`` if ``padded``) with pruned blocks as zeros, in the
+        input's dtype (dequantized if stored in lower precision)."""
         (mb, kb), (bm, bk) = self.grid, self.block
-        dense = jnp.zeros((mb, kb, bm, bk), self.values.dtype)
-        dense = dense.at[self.row_ids, self.col_ids].set(self.values, unique_indices=True)
+        values = self.dequantized().values
+        dense = jnp.zeros((mb, kb, bm, bk), values.dtype)
+        dense = dense.at[self.row_ids, self.col_ids].set(values, unique_indices=True)
         dense = dense.transpose(0, 2, 1, 3).reshape(mb * bm, kb * bk)
         return dense if padded else dense[: self.shape[0], : self.shape[1]]
 
@@ -150,6 +169,90 @@ def pad_to_blocks(x: jax.Array, block: tuple[int, int]) -> jax.Array:
     return jnp.pad(x, ((0, mb * bm - x.shape[0]), (0, kb * bk - x.shape[1])))
 
 
+@dataclasses.dataclass(frozen=True)
+class Pruning:
+    """Validated, hashable pruning options shared by every layer (a static ``custom_vjp`` argument).
+
+    ``block`` may be given as an int; it is stored as ``(bm, bk)``.
+    """
+
+    sparsity: float
+    block: tuple[int, int]
+    criterion: Criterion = "l2"
+    selection: Selection = "global"
+    storage_dtype: StorageDtype | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "sparsity", check_sparsity(self.sparsity))
+        object.__setattr__(self, "block", normalize_block(self.block))
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be None or one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+
+    def compress(self, x: jax.Array, key: jax.Array | None = None) -> BlockSparse:
+        """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``; stochastic when ``key`` is given."""
+        return from_dense(
+            x.reshape(-1, x.shape[-1]),
+            self.sparsity,
+            self.block,
+            criterion=self.criterion,
+            selection=self.selection,
+            storage_dtype=self.storage_dtype,
+            key=key,
+        )
+
+
+def quantize_blocks(values: jax.Array, storage_dtype: StorageDtype | None) -> tuple[jax.Array, jax.Array | None]:
+    """Values in ``storage_dtype`` and ``(cap,)`` f32 per-block scales (``None`` when not scaled).
+
+    ``"bfloat16"`` is a plain cast. ``"int8"`` rounds ``v / s`` with ``s = max|block| / 127``;
+    ``"float8_e4m3fn"`` casts ``v / s`` with ``s = max|block| / 448`` (e4m3's largest finite value).
+    An all-zero block gets scale 1; a block holding NaN or inf gets a NaN scale, so the NaN still
+    reaches dW.
+    """
+    if storage_dtype is None:
+        return values, None
+    if storage_dtype == "bfloat16":
+        return values.astype(jnp.bfloat16), None
+    limit = {"int8": 127.0, "float8_e4m3fn": 448.0}[storage_dtype]
+    v = values.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(v), axis=(1, 2))
+    amax = jnp.where(jnp.isfinite(amax), amax, jnp.nan)
+    scales = jnp.where(amax > 0, amax / limit, jnp.where(amax == 0, 1.0, amax))
+    scaled = v / scales[:, None, None]
+    if storage_dtype == "int8":
+        return jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8), scales
+    return scaled.astype(jnp.float8_e4m3fn), scales
+
+
+def _top_blocks(scores: jax.Array, capacity: int, selection: Selection, with_threshold: bool):
+    """Kept (row_ids, col_ids, col_ptr) by the largest ``scores (Kb, Mb)``, grouped by column, and,
+    if asked, the next-largest score (per column for ``"column"``; 0 where all blocks are kept)."""
+    kb, mb = scores.shape
+    threshold = None
+    if selection == "global":
+        take = min(capacity + with_threshold, kb * mb)
+        top, flat = jax.lax.top_k(scores.reshape(-1), take)
+        if with_threshold:
+            threshold = top[capacity] if take > capacity else jnp.zeros((), scores.dtype)
+        flat = jnp.sort(flat[:capacity])
+        col_ids, row_ids = flat // mb, flat % mb
+        col_ptr = jnp.searchsorted(col_ids, jnp.arange(kb + 1, dtype=col_ids.dtype), side="left")
+    else:
+        per_col = capacity // kb
+        take = min(per_col + with_threshold, mb)
+        top, rows = jax.lax.top_k(scores, take)  # (Kb, take)
+        if with_threshold:
+            threshold = top[:, per_col] if take > per_col else jnp.zeros((kb,), scores.dtype)
+        row_ids = jnp.sort(rows[:, :per_col], axis=1).reshape(-1)
+        col_ids = jnp.repeat(jnp.arange(kb, dtype=jnp.int32), per_col)
+        col_ptr = jnp.arange(kb + 1, dtype=jnp.int32) * per_col
+    return row_ids, col_ids, col_ptr, threshold
+
+
 def from_dense(
     x: jax.Array,
     sparsity: float,
@@ -157,6 +260,8 @@ def from_dense(
     *,
     criterion: Criterion = "l2",
     selection: Selection = "global",
+    storage_dtype: StorageDtype | None = None,
+    key: jax.Array | None = None,
 ) -> BlockSparse:
     """Keep the largest blocks of a 2-D float array ``x`` of shape ``(M, K)``.
 
@@ -165,35 +270,48 @@ def from_dense(
     kernel work. M and K need not divide the block: the matrix is zero-padded and padding blocks
     rank last. Ties are broken towards lower indices (``lax.top_k``). Runs under jit: the capacity
     is a static function of ``x.shape``, ``block`` and ``sparsity``.
+
+    ``key`` switches to stochastic selection by priority sampling (Duffield, Lund & Thorup 2007):
+    block i with magnitude ``w_i`` (L2 norm or L1 sum) gets priority ``w_i / u_i``, ``u_i ~ U(0, 1]``;
+    the top-capacity priorities are kept and scaled by ``max(w_i, tau) / w_i``, ``tau`` being the
+    next priority. Then ``E[to_dense()] = x`` exactly, so dW is unbiased, at the same capacity.
+
+    ``storage_dtype`` stores kept values as ``"bfloat16"``, ``"int8"`` or ``"float8_e4m3fn"``
+    with per-block scales (``quantize_blocks``); ``to_dense`` and the backward pass dequantize.
     """
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must have a floating dtype, got {x.dtype}")
+    if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage_dtype must be None or one of {STORAGE_DTYPES}, got {storage_dtype!r}")
     block = normalize_block(block)
     grid = block_grid(x.shape, block)
     capacity = capacity_for(grid, sparsity, selection)
     xp = pad_to_blocks(x, block)
     mags = block_magnitudes(xp, block, criterion)  # (Kb, Mb)
     mb, kb = grid
-    if selection == "global":
-        _, flat = jax.lax.top_k(mags.reshape(-1), capacity)
-        flat = jnp.sort(flat)
-        col_ids, row_ids = flat // mb, flat % mb
-        col_ptr = jnp.searchsorted(col_ids, jnp.arange(kb + 1, dtype=col_ids.dtype), side="left")
+    if key is None:
+        row_ids, col_ids, col_ptr, _ = _top_blocks(mags, capacity, selection, with_threshold=False)
     else:
-        per_col = capacity // kb
-        _, rows = jax.lax.top_k(mags, per_col)  # (Kb, per_col)
-        row_ids = jnp.sort(rows, axis=1).reshape(-1)
-        col_ids = jnp.repeat(jnp.arange(kb, dtype=jnp.int32), per_col)
-        col_ptr = jnp.arange(kb + 1, dtype=jnp.int32) * per_col
+        weights = jnp.sqrt(mags) if criterion == "l2" else mags
+        u = jax.random.uniform(key, weights.shape, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+        row_ids, col_ids, col_ptr, tau = _top_blocks(weights / u, capacity, selection, with_threshold=True)
+        kept_weights = weights[col_ids, row_ids]
+        tau = tau if selection == "global" else tau[col_ids]
+        rescale = jnp.where(kept_weights > 0, jnp.maximum(kept_weights, tau) / kept_weights, 1.0)
     # Gather straight from the (Mb, bm, Kb, bk) view: the advanced indices move the kept-block axis
     # first and no transpose of x is materialised.
     values = xp.reshape(mb, block[0], kb, block[1])[row_ids, :, col_ids, :]
+    if key is not None:
+        values = (values.astype(jnp.float32) * rescale[:, None, None]).astype(x.dtype)
+    values, scales = quantize_blocks(values, storage_dtype)
     return BlockSparse(
         values=values,
         block_rows=row_ids.astype(jnp.int16 if mb <= jnp.iinfo(jnp.int16).max + 1 else jnp.int32),
         col_ptr=col_ptr.astype(jnp.int32),
         shape=tuple(x.shape),
         block=block,
+        scales=scales,
+        dense_dtype=jnp.dtype(x.dtype).name,
     )

@@ -1,4 +1,4 @@
-"""Flax linen layers built on ``bsr_linear``."""
+"""Flax linen layers: ``Dense`` on ``bsr_linear``; ``Affine`` and ``LayerScale`` on ``bsr_scale_shift``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
-from bsr_jax.format import BlockSpec, Criterion, Selection
+from bsr_jax.elementwise import bsr_scale_shift
+from bsr_jax.format import BlockSpec, Criterion, Selection, StorageDtype
 from bsr_jax.linear import bsr_linear
+
+
+def _pruning_key(module: nn.Module, stochastic: bool, sparsity: float) -> jax.Array | None:
+    # Drawn only when used, so deterministic layers need no "pruning" rng stream.
+    return module.make_rng("pruning") if stochastic and sparsity > 0 else None
 
 
 class Dense(nn.Module):
@@ -25,7 +31,9 @@ class Dense(nn.Module):
     Attributes:
       sparsity: fraction of input blocks pruned from the backward residual, in ``[0, 1)``.
       block: block shape ``(rows, cols)`` over the flattened ``(M, K)`` input, or an int.
-      criterion, selection, backend: see ``bsr_linear``.
+      criterion, selection, storage_dtype, backend: see ``bsr_linear``.
+      stochastic: sample blocks (unbiased dW) with keys from the ``"pruning"`` rng stream:
+        ``apply(..., rngs={"pruning": key})``.
     """
 
     features: int
@@ -39,6 +47,8 @@ class Dense(nn.Module):
     block: BlockSpec = 16
     criterion: Criterion = "l2"
     selection: Selection = "global"
+    storage_dtype: StorageDtype | None = None
+    stochastic: bool = False
     backend: str | None = None
 
     @nn.compact
@@ -54,14 +64,70 @@ class Dense(nn.Module):
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        sparsity = self.sparsity if sparsity is None else sparsity
         return bsr_linear(
             inputs,
             kernel,
             bias,
-            sparsity=self.sparsity if sparsity is None else sparsity,
+            sparsity=sparsity,
             block=self.block,
             criterion=self.criterion,
             selection=self.selection,
+            storage_dtype=self.storage_dtype,
+            key=_pruning_key(self, self.stochastic, sparsity),
             backend=self.backend,
             precision=self.precision,
         )
+
+
+class _ScaleShift(nn.Module):
+    """Options shared by Affine and LayerScale; see ``Dense`` for their meaning."""
+
+    sparsity: float = 0.0
+    block: BlockSpec = 16
+    criterion: Criterion = "l2"
+    selection: Selection = "global"
+    storage_dtype: StorageDtype | None = None
+    stochastic: bool = False
+    dtype: jnp.dtype | None = None
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _apply(self, x, scale, shift, sparsity):
+        x, scale, shift = promote_dtype(x, scale, shift, dtype=self.dtype)
+        sparsity = self.sparsity if sparsity is None else sparsity
+        return bsr_scale_shift(
+            x,
+            scale,
+            shift,
+            sparsity=sparsity,
+            block=self.block,
+            criterion=self.criterion,
+            selection=self.selection,
+            storage_dtype=self.storage_dtype,
+            key=_pruning_key(self, self.stochastic, sparsity),
+        )
+
+
+class Affine(_ScaleShift):
+    """ResMLP's ``alpha * x + beta`` over the last axis; params ``alpha (K,)`` (ones), ``beta (K,)`` (zeros).
+
+    With ``sparsity > 0`` the alpha gradient sees only the largest blocks of x; everything else is
+    exact. ``sparsity`` may be overridden per call, as in ``Dense``.
+    """
+
+    @nn.compact
+    def __call__(self, x: jax.Array, sparsity: float | None = None) -> jax.Array:
+        alpha = self.param("alpha", nn.initializers.ones_init(), (x.shape[-1],), self.param_dtype)
+        beta = self.param("beta", nn.initializers.zeros_init(), (x.shape[-1],), self.param_dtype)
+        return self._apply(x, alpha, beta, sparsity)
+
+
+class LayerScale(_ScaleShift):
+    """Per-channel ``x * scale`` of a residual branch; param ``scale (K,)`` initialised to ``init_value``."""
+
+    init_value: float = 0.1
+
+    @nn.compact
+    def __call__(self, x: jax.Array, sparsity: float | None = None) -> jax.Array:
+        scale = self.param("scale", nn.initializers.constant(self.init_value), (x.shape[-1],), self.param_dtype)
+        return self._apply(x, scale, None, sparsity)

@@ -10,25 +10,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from bsr_jax import backends
-from bsr_jax.format import (
-    CRITERIA,
-    SELECTIONS,
-    BlockSpec,
-    Criterion,
-    Selection,
-    block_grid,
-    check_sparsity,
-    from_dense,
-    normalize_block,
-)
+from bsr_jax.format import BlockSpec, Criterion, Pruning, Selection, StorageDtype
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    sparsity: float
-    block: tuple[int, int]
-    criterion: Criterion
-    selection: Selection
+    pruning: Pruning
     backend: str
     precision: lax.PrecisionLike
 
@@ -38,46 +25,29 @@ def _matmul(x: jax.Array, w: jax.Array, precision: lax.PrecisionLike) -> jax.Arr
     return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
-def check_pruning_args(
-    x: jax.Array, sparsity: float, block: BlockSpec, criterion: str, selection: str, name: str = "x"
-) -> tuple[int, int]:
-    """Validates the pruning arguments shared by every layer; returns the ``(bm, bk)`` block."""
-    check_sparsity(sparsity)
-    block = normalize_block(block)
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-    if selection not in SELECTIONS:
-        raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        raise ValueError(f"{name} must have a floating dtype, got {jnp.result_type(x)}")
-    return block
+def check_floating(name: str, a: jax.Array) -> None:
+    if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+        raise ValueError(f"{name} must have a floating dtype, got {jnp.result_type(a)}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _pruned_matmul(x: jax.Array, w: jax.Array, config: _Config) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pruned_matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) -> jax.Array:
     return _matmul(x, w, config.precision)
 
 
-def _pruned_matmul_fwd(x, w, config):
-    blocks = from_dense(
-        x.reshape(-1, x.shape[-1]),
-        config.sparsity,
-        config.block,
-        criterion=config.criterion,
-        selection=config.selection,
-    )
+def _pruned_matmul_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
-    return _matmul(x, w, config.precision), (blocks, w)
+    return _matmul(x, w, config.precision), (config.pruning.compress(x, key), w)
 
 
 def _pruned_matmul_bwd(config, residuals, dy):
     blocks, w = residuals
+    blocks = blocks.dequantized()
     dx = lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), precision=config.precision)
     dy2 = dy.reshape(-1, dy.shape[-1])
-    padded_rows = block_grid(blocks.shape, blocks.block)[0] * blocks.block[0]
-    dy2 = jnp.pad(dy2, ((0, padded_rows - dy2.shape[0]), (0, 0)))
+    dy2 = jnp.pad(dy2, ((0, blocks.padded_shape[0] - dy2.shape[0]), (0, 0)))
     dw = backends.dw_from_blocks(blocks, dy2, config.backend)[: w.shape[0]]
-    return dx.astype(blocks.values.dtype), dw.astype(w.dtype)
+    return dx.astype(blocks.values.dtype), dw.astype(w.dtype), None
 
 
 _pruned_matmul.defvjp(_pruned_matmul_fwd, _pruned_matmul_bwd)
@@ -92,6 +62,8 @@ def bsr_linear(
     block: BlockSpec = 16,
     criterion: Criterion = "l2",
     selection: Selection = "global",
+    storage_dtype: StorageDtype | None = None,
+    key: jax.Array | None = None,
     backend: str | None = None,
     precision: lax.PrecisionLike = None,
 ) -> jax.Array:
@@ -108,6 +80,9 @@ def bsr_linear(
       criterion: block magnitude, ``"l2"`` or ``"l1"``.
       selection: ``"global"`` keeps the largest blocks of the whole matrix; ``"column"`` keeps the
         same number per block-column (balanced kernel work).
+      storage_dtype: store kept blocks as ``"bfloat16"``, ``"int8"`` or ``"float8_e4m3fn"`` (per-block
+        scales), dequantized in the backward pass; ``None`` keeps x's dtype.
+      key: a PRNG key switches to stochastic, unbiased block sampling (see ``from_dense``).
       backend: dW backend, ``"xla"``, ``"pallas"`` or ``"reference"``; ``None`` picks
         ``$BSR_JAX_BACKEND`` or the platform default (see ``bsr_jax.backends``).
       precision: passed to ``lax.dot_general`` for y and dx.
@@ -115,11 +90,12 @@ def bsr_linear(
     Returns:
       ``(..., N)`` array, equal to the dense layer's output. Gradients: dx and db are exact; dW is
       ``mask(x).T @ dy`` where ``mask`` zeroes the pruned blocks (f32 accumulation, cast to w's
-      dtype). Under ``vmap`` each mapped instance is pruned on its own.
+      dtype; with ``storage_dtype``, the kept blocks are rounded; with ``key``, rescaled so that
+      dW is unbiased). Under ``vmap`` each mapped instance is pruned on its own.
     """
-    block = check_pruning_args(x, sparsity, block, criterion, selection)
-    if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
-        raise ValueError(f"w must have a floating dtype, got {jnp.result_type(w)}")
+    pruning = Pruning(sparsity, block, criterion, selection, storage_dtype)
+    check_floating("x", x)
+    check_floating("w", w)
     if jnp.ndim(x) < 1 or jnp.ndim(w) != 2 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
         raise ValueError(f"expected x (..., K) and w (K, N), got x {jnp.shape(x)} and w {jnp.shape(w)}")
     if jnp.result_type(x) != jnp.result_type(w):
@@ -128,7 +104,7 @@ def bsr_linear(
     if sparsity == 0.0:
         y = _matmul(x, w, precision)
     else:
-        y = _pruned_matmul(x, w, _Config(sparsity, block, criterion, selection, backend, precision))
+        y = _pruned_matmul(x, w, key, _Config(pruning, backend, precision))
     if b is not None:
         y += jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
     return y

@@ -19,9 +19,8 @@ from collections.abc import Iterator, Sequence
 import flax.linen as nn
 import jax
 
-from bsr_jax.elementwise import Affine, LayerScale
 from bsr_jax.format import check_sparsity
-from bsr_jax.layers import Dense
+from bsr_jax.layers import Affine, Dense, LayerScale
 
 SparsityRules = tuple[tuple[str, float], ...]
 PRUNABLE_LAYERS = (Dense, Affine, LayerScale)

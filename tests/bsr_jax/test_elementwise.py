@@ -1,12 +1,10 @@
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 from numerics import assert_close_scaled, bf16_exact_normal
 
-from bsr_jax import from_dense, residual_bytes
-from bsr_jax.elementwise import Affine, LayerScale, bsr_scale_shift
+from bsr_jax import Affine, LayerScale, bsr_scale_shift, from_dense, residual_bytes
 
 
 def _loss(y):

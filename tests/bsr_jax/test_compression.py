@@ -1,0 +1,110 @@
+"""Low-precision kept blocks and stochastic (unbiased) block sampling."""
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bsr_jax
+from bsr_jax.format import from_dense, quantize_blocks
+
+
+def _x(shape=(64, 48), seed=0):
+    return jax.random.normal(jax.random.key(seed), shape) * jnp.linspace(0.1, 3.0, shape[1])
+
+
+@pytest.mark.parametrize(
+    "storage,value_bytes,relative_error",
+    [("bfloat16", 2, 2**-8), ("int8", 1, 1 / 254), ("float8_e4m3fn", 1, 2**-4)],
+)
+def test_quantized_storage_round_trip(storage, value_bytes, relative_error):
+    x = _x()
+    full = from_dense(x, 0.5, 8)
+    low = from_dense(x, 0.5, 8, storage_dtype=storage)
+    assert low.values.dtype == jnp.dtype(storage)
+    scale_bytes = 0 if storage == "bfloat16" else 4 * low.capacity
+    assert low.nbytes == full.nbytes - full.values.nbytes + full.values.size * value_bytes + scale_bytes
+    assert low.to_dense().dtype == x.dtype
+    chex.assert_trees_all_equal((low.block_rows, low.col_ptr), (full.block_rows, full.col_ptr))
+    # Per-block bound: relative to each value for float formats, to the block max for int8.
+    amax = jnp.max(jnp.abs(full.values), axis=(1, 2))[:, None, None]
+    bound = amax * relative_error if storage == "int8" else jnp.abs(full.values) * relative_error + amax * 2**-15
+    assert jnp.all(jnp.abs(low.dequantized().values - full.values) <= bound * 1.001)
+
+
+def test_quantize_zero_and_nan_blocks():
+    values = jnp.stack([jnp.zeros((4, 4)), jnp.full((4, 4), jnp.nan), jnp.eye(4)])
+    for storage in ("int8", "float8_e4m3fn"):
+        q, scales = quantize_blocks(values, storage)
+        deq = q.astype(jnp.float32) * scales[:, None, None]
+        chex.assert_trees_all_equal(deq[0], jnp.zeros((4, 4)))
+        assert jnp.all(jnp.isnan(deq[1]))
+        chex.assert_trees_all_close(deq[2], jnp.eye(4))
+
+
+def test_bad_storage_dtype():
+    with pytest.raises(ValueError, match="storage_dtype"):
+        from_dense(jnp.ones((8, 8)), 0.5, 4, storage_dtype="int4")
+    with pytest.raises(ValueError, match="storage_dtype"):
+        bsr_jax.bsr_linear(jnp.ones((8, 8)), jnp.ones((8, 2)), sparsity=0.5, storage_dtype="float16")
+
+
+@pytest.mark.parametrize("selection", ["global", "column"])
+def test_stochastic_selection_is_unbiased(selection):
+    x = _x((32, 32), seed=1)
+    draws = jax.jit(jax.vmap(lambda k: from_dense(x, 0.75, 8, selection=selection, key=k).to_dense()))(
+        jax.random.split(jax.random.key(2), 4000)
+    )
+    mean = draws.mean(0)
+    # Standard error of the mean of 4000 draws is well under 5% of ||x||; a biased estimator
+    # (e.g. deterministic top-k, which drops 75% of the blocks) is far outside.
+    assert float(jnp.linalg.norm(mean - x) / jnp.linalg.norm(x)) < 0.05
+    deterministic = from_dense(x, 0.75, 8, selection=selection).to_dense()
+    assert float(jnp.linalg.norm(deterministic - x) / jnp.linalg.norm(x)) > 0.2
+    counts = np.asarray((draws != 0).reshape(4000, 4, 8, 4, 8).any((2, 4)).sum((1, 2)))
+    assert np.all(counts == 4)  # static capacity: 4 of 16 blocks in every draw
+
+
+def test_stochastic_with_all_blocks_kept_is_exact():
+    x = _x((16, 16))
+    chex.assert_trees_all_close(from_dense(x, 0.0, 8, key=jax.random.key(0)).to_dense(), x)
+
+
+def test_stochastic_dw_is_unbiased_through_bsr_linear():
+    x, w = _x((64, 32), seed=3), jax.random.normal(jax.random.key(4), (32, 16))
+    loss = lambda w, key: jnp.sum(jnp.sin(bsr_jax.bsr_linear(x, w, sparsity=0.7, block=8, key=key)))
+    grads = jax.jit(jax.vmap(jax.grad(loss), (None, 0)))(w, jax.random.split(jax.random.key(5), 3000))
+    dense = jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w)
+    assert float(jnp.linalg.norm(grads.mean(0) - dense) / jnp.linalg.norm(dense)) < 0.05
+    assert float(jnp.linalg.norm(grads[0] - dense) / jnp.linalg.norm(dense)) > 0.1
+
+
+def test_int8_storage_dw_error_is_small_vs_f32_blocks():
+    x, w = _x((128, 64), seed=6), jax.random.normal(jax.random.key(7), (64, 32))
+    grad = lambda storage: jax.grad(
+        lambda w: jnp.sum(jnp.sin(bsr_jax.bsr_linear(x, w, sparsity=0.5, block=16, storage_dtype=storage)))
+    )(w)
+    full, int8 = grad(None), grad("int8")
+    err = float(jnp.linalg.norm(int8 - full) / jnp.linalg.norm(full))
+    assert 0 < err < 0.01
+
+
+def test_dense_stochastic_uses_the_pruning_rng_stream():
+    x = _x((64, 32))
+    layer = bsr_jax.Dense(8, sparsity=0.75, block=8, stochastic=True)
+    params = layer.init(jax.random.key(0), x)  # sparsity only matters for gradients: init needs no key
+    grad = lambda seed: jax.grad(lambda p: jnp.sum(layer.apply(p, x, rngs={"pruning": jax.random.key(seed)}) ** 2))(params)
+    chex.assert_trees_all_equal(grad(1), grad(1))
+    assert not jnp.allclose(grad(1)["params"]["kernel"], grad(2)["params"]["kernel"])
+    with pytest.raises(flax.errors.InvalidRngError):
+        jax.grad(lambda p: jnp.sum(layer.apply(p, x)))(params)
+
+
+def test_affine_int8_storage_and_stochastic():
+    x = _x((64, 32))
+    affine = bsr_jax.Affine(sparsity=0.5, block=8, storage_dtype="int8", stochastic=True)
+    params = affine.init(jax.random.key(0), x)
+    g = jax.grad(lambda p: jnp.sum(affine.apply(p, x, rngs={"pruning": jax.random.key(1)}) ** 2))(params)
+    assert g["params"]["alpha"].shape == (32,) and jnp.all(jnp.isfinite(g["params"]["alpha"]))
