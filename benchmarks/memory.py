@@ -1,6 +1,9 @@
 """Activation memory of a training step: dense vs block-sparse residuals, per model and config.
 
-For each model and each (sparsity, block), traces the loss's VJP (nothing runs) and reports:
+For each model and each (mode, sparsity, block, storage), traces the loss's VJP (nothing runs).
+Mode ``linear`` prunes linear-layer inputs only (the paper); ``all`` also prunes the inputs of the
+Affine and LayerScale layers, every residual that only feeds a parameter gradient (ResMLP only).
+Reported:
 
 * act MiB: bytes the backward pass keeps that are not parameters (``residual_bytes``
   activations + inputs), and its ratio to dense;
@@ -11,7 +14,7 @@ For each model and each (sparsity, block), traces the loss's VJP (nothing runs) 
 * compiled temp MiB: XLA's ``memory_analysis()`` of the jitted grad step on this backend (a
   secondary figure on CPU: see docs/memory.md).
 
-Rows with ``remat`` wrap every block in ``jax.checkpoint`` (dense layers): the usual alternative.
+The ``remat`` row wraps every block in ``jax.checkpoint`` (dense layers): the usual alternative.
 
     python benchmarks/memory.py                     # all models, full grid, table + JSON
     python benchmarks/memory.py --models mlp --no-compile
@@ -59,7 +62,7 @@ class DenseStack(nn.Module):
     remat: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x):  # no Affine/LayerScale: modes "linear" and "all" coincide
         block = nn.remat(MLPBlock) if self.remat else MLPBlock
         for _ in range(self.depth):
             x = block(self.dense, self.hidden)(x)
@@ -69,15 +72,24 @@ class DenseStack(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class ModelCase:
     name: str
-    build: Callable[..., nn.Module]  # (dense, remat) -> module
+    build: Callable[..., nn.Module]  # (dense, scale_shift, remat) -> module
     input_shape: tuple[int, ...]
 
 
 def _resmlp_case(name: str, preset: str, image_size: int, patch: int, batch: int) -> ModelCase:
     from train import models  # benchmarks may use the training suite; bsr_jax itself does not
 
-    def build(dense, remat):
-        return models.ResMLP(num_classes=1000, patch_size=patch, dense=dense, remat=remat, **models.PRESETS[preset])
+    def build(dense, scale_shift, remat):
+        affine, layerscale = scale_shift
+        return models.ResMLP(
+            num_classes=1000,
+            patch_size=patch,
+            dense=dense,
+            affine=affine,
+            layerscale=layerscale,
+            remat=remat,
+            **models.PRESETS[preset],
+        )
 
     return ModelCase(name, build, (batch, image_size, image_size, 3))
 
@@ -86,7 +98,7 @@ def model_cases(names: list[str]) -> list[ModelCase]:
     cases = {
         "mlp": lambda: ModelCase(
             "mlp-d384x12 (B=128, T=64)",
-            lambda dense, remat: DenseStack(dense, depth=12, hidden=1536, remat=remat),
+            lambda dense, scale_shift, remat: DenseStack(dense, depth=12, hidden=1536, remat=remat),
             (128, 64, 384),
         ),
         "s12-cifar": lambda: _resmlp_case("resmlp-s12 cifar (32px/4, B=128)", "s12", 32, 4, 128),
@@ -110,48 +122,72 @@ def linear_input_bytes(module: nn.Module, params, x) -> int:
     return total
 
 
-def measure(case: ModelCase, sparsity: float, block: int, remat: bool, compile_step: bool, selection: str) -> dict:
-    dense = functools.partial(bsr_jax.Dense, sparsity=sparsity, block=block, selection=selection)
-    module = case.build(dense, remat)
+@dataclasses.dataclass(frozen=True)
+class Config:
+    mode: str = "dense"  # "dense", "remat", "linear" or "all"
+    sparsity: float = 0.0
+    block: int = 16
+    storage: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.mode in ("dense", "remat"):
+            return self.mode
+        return f"{self.mode} s{self.sparsity} b{self.block}" + (f" {self.storage}" if self.storage else "")
+
+
+def measure(case: ModelCase, config: Config, compile_step: bool, selection: str) -> dict:
+    options = dict(sparsity=config.sparsity, block=config.block, selection=selection, storage_dtype=config.storage)
+    dense = functools.partial(bsr_jax.Dense, **options)
+    prune_scales = config.mode == "all"
+    scale_shift = (
+        functools.partial(bsr_jax.Affine, **(options if prune_scales else {})),
+        functools.partial(bsr_jax.LayerScale, **(options if prune_scales else {})),
+    )
+    module = case.build(dense, scale_shift, config.mode == "remat")
     x = jax.ShapeDtypeStruct(case.input_shape, jnp.float32)
     params = jax.eval_shape(module.init, jax.random.key(0), x)
     loss = lambda p, x: jnp.mean(module.apply(p, x).astype(jnp.float32) ** 2)
     res = bsr_jax.residual_bytes(loss, params, x)
     row = dict(
         model=case.name,
-        config="remat" if remat else ("dense" if sparsity == 0 else f"s{sparsity} b{block}"),
-        sparsity=sparsity,
-        block=block,
+        config=config.label,
+        **dataclasses.asdict(config),
         selection=selection,
-        remat=remat,
         act_mib=(res.activations + res.inputs) / MIB,
         param_residual_mib=res.params / MIB,
     )
     if compile_step:
         row["compiled_temp_mib"] = bsr_jax.compiled_memory(jax.grad(loss), params, x).temp / MIB
-    if sparsity == 0 and not remat:
+    if config.mode == "dense":
         row["linear_input_mib"] = linear_input_bytes(module, params, x) / MIB
     return row
+
+
+def configs_for(args) -> list[Config]:
+    configs = [Config("remat")]
+    for mode in args.modes:
+        configs += [Config(mode, s, b) for s in args.sparsities for b in args.blocks]
+        configs += [Config(mode, 0.7, 16, storage) for storage in args.storage]
+    return configs
 
 
 def run(args) -> list[dict]:
     rows = []
     for case in model_cases(args.models):
-        base = measure(case, 0.0, 16, False, args.compile, args.selection)
-        rows.append(base)
+        base = measure(case, Config(), args.compile, args.selection)
+        case_rows = [base]
         print(f"# {case.name}: dense measured", file=sys.stderr, flush=True)
-        configs = [(0.0, 16, True)] + [(s, b, False) for s in args.sparsities for b in args.blocks]
-        for sparsity, block, remat in configs:
-            row = measure(case, sparsity, block, remat, args.compile, args.selection)
-            if not remat:
+        for config in configs_for(args):
+            row = measure(case, config, args.compile, args.selection)
+            if config.mode == "linear" and config.storage is None:
                 row["linear_input_mib"] = base["linear_input_mib"] + row["act_mib"] - base["act_mib"]
-            rows.append(row)
+                row["linear_input_reduction"] = 1 - row["linear_input_mib"] / base["linear_input_mib"]
+            row["act_ratio"] = row["act_mib"] / base["act_mib"]
+            case_rows.append(row)
             print(f"# {case.name}: {row['config']} measured", file=sys.stderr, flush=True)
-        for row in rows:
-            if row["model"] == case.name:
-                row["act_ratio"] = row["act_mib"] / base["act_mib"]
-                if "linear_input_mib" in row:
-                    row["linear_input_reduction"] = 1 - row["linear_input_mib"] / base["linear_input_mib"]
+        base["act_ratio"] = 1.0
+        rows += case_rows
     return rows
 
 
@@ -179,6 +215,11 @@ def main() -> None:
                         choices=["mlp", "s12-cifar", "s12-imagenet"], help="models to measure (default: all)")
     parser.add_argument("--sparsities", nargs="+", type=float, default=[0.5, 0.7, 0.9], help="default: 0.5 0.7 0.9")
     parser.add_argument("--blocks", nargs="+", type=int, default=[4, 16, 64], help="square block sizes (default: 4 16 64)")
+    parser.add_argument("--modes", nargs="+", default=["linear", "all"], choices=["linear", "all"],
+                        help="prune linear inputs only (paper) and/or every parameter-gradient residual (default: both)")
+    parser.add_argument("--storage", nargs="*", default=["bfloat16", "int8", "float8_e4m3fn"],
+                        help="extra rows at sparsity 0.7 block 16 with kept blocks stored in these dtypes "
+                             "(default: bfloat16 int8 float8_e4m3fn)")
     parser.add_argument("--selection", default="global", choices=["global", "column"], help="default: global")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="skip compiling each grad step (compiled temp MiB column)")
