@@ -233,14 +233,16 @@ def _tfds_chunks(source: Any, split: str) -> Iterator[Chunk]:
 
 
 def _tfds_reason(tfds: Any, dataset: str, data_dir: str | None, error: Exception) -> str:
+    """One line on why tfds could not serve the dataset (the message must stay one paragraph)."""
+    first_line = (str(error).splitlines() or [type(error).__name__])[0]
     try:
         builder = tfds.builder(dataset, data_dir=data_dir)
-        where = builder.data_dir
         if builder.is_prepared():
-            return f"prepared at {where} as {builder.info.file_format.value}, not array_record ({error})"
-        return f"not prepared at {where}"
+            file_format = builder.info.file_format.value
+            return f"prepared at {builder.data_dir} as {file_format}, not array_record ({first_line})"
+        return f"not prepared at {builder.data_dir}"
     except Exception:  # noqa: BLE001 - the reason is best effort; the original error says enough
-        return str(error).splitlines()[0]
+        return first_line
 
 
 def _not_found_message(
@@ -261,7 +263,7 @@ def _not_found_message(
     else:
         tfds_hint = (
             f" Or prepare it with tensorflow-datasets, which needs TensorFlow (an optional extra, not installed: "
-            f"pip install tensorflow; then tfds build {dataset} --file_format=array_record) and pass its data_dir."
+            f"pip install tensorflow; then tfds build {dataset} --file_format=array_record) and pass its data directory as --data-dir."
         )
     return (
         f"No {dataset} '{split}' data found. Looked at: {'; '.join(looked)}; tfds: {tfds_reason}. "
