@@ -39,7 +39,7 @@ from tqdm import tqdm
 from train import augment as aug
 from train.data_cache import CacheWriter, CachedSplit, cache_name, read_cache, resolve_cache_dir
 from train.data_decode import CHUNK, Chunk, decode_chunks, stored_size
-from train.data_sources import SPLIT_DIRS, Source, find_local_source, read_source
+from train.data_sources import ILSVRC_TARS, SPLIT_DIRS, Source, find_local_source, read_source
 
 DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
 # Per-channel mean and std of the training pixels in [0, 1].
@@ -151,9 +151,9 @@ def _load_local(
     if cached is None:
         dirs = "/".join(SPLIT_DIRS[split])
         raise DataNotFoundError(
-            f"Found {dataset} data at {source.path}, but it has no '{split}' split "
-            f"(an image folder needs a {dirs} directory next to train/). "
-            "Add it or point --data-dir elsewhere."
+            f"Found {dataset} data ({source.kind}) at {source.path}, but it has no '{split}' split "
+            f"(an image folder needs a {dirs} directory next to train/; ImageNet needs "
+            f"{ILSVRC_TARS[split]}). Add it or point --data-dir elsewhere."
         )
     return cached
 

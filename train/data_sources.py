@@ -54,7 +54,8 @@ _PROGRESS_FILES = 4096
 @dataclasses.dataclass(frozen=True)
 class Source:
     """A located dataset. kind: "cifar_python" | "ilsvrc" | "image_folder"; path: file or directory;
-    root: for an image folder, the path of its root inside the archive ("" = archive top)."""
+    root: for an image-folder directory, the directory holding train/ (path or one level below);
+    unused for archives, whose root is found while reading."""
 
     kind: Literal["cifar_python", "ilsvrc", "image_folder"]
     path: str
