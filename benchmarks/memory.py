@@ -11,6 +11,8 @@ Reported:
   sum of the inputs of every ``bsr_jax.Dense`` call (recorded with a Flax interceptor); the forward
   pass is identical at every sparsity, so the sparse model's figure is the dense one plus the
   change in act MiB;
+* program peak MiB: ``program_order_peak`` of the grad step (live bytes in program order,
+  arguments included): what a memory-aware scheduler would need;
 * compiled temp MiB: XLA's ``memory_analysis()`` of the jitted grad step on this backend (a
   secondary figure on CPU: see docs/memory.md).
 
@@ -156,6 +158,7 @@ def measure(case: ModelCase, config: Config, compile_step: bool, selection: str)
         selection=selection,
         act_mib=(res.activations + res.inputs) / MIB,
         param_residual_mib=res.params / MIB,
+        program_peak_mib=bsr_jax.program_order_peak(jax.grad(loss), params, x) / MIB,
     )
     if compile_step:
         row["compiled_temp_mib"] = bsr_jax.compiled_memory(jax.grad(loss), params, x).temp / MIB
@@ -199,6 +202,7 @@ def print_table(rows: list[dict]) -> None:
         ("act_ratio", "{:.3f}"),
         ("linear_input_mib", "{:.1f}"),
         ("linear_input_reduction", "{:.1%}"),
+        ("program_peak_mib", "{:.1f}"),
         ("compiled_temp_mib", "{:.1f}"),
     ]
     cells = [[c for c, _ in cols]] + [[fmt.format(r[c]) if c in r else "-" for c, fmt in cols] for r in rows]

@@ -12,6 +12,9 @@ once, however many times the closure refers to it, and is classified as
 ``compiled_memory`` reads XLA's ``memory_analysis()`` of a jitted function. It depends on the
 backend's scheduler: on CPU it need not follow residual savings (see docs/memory.md), so treat it as
 a secondary, explained figure.
+
+``program_order_peak`` walks the function's jaxpr in program order and sums the bytes of live
+values, each freed after its last use: a backend-independent peak estimate.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend as jex
 
 MIB = 2**20
 
@@ -119,3 +123,55 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
         outputs=int(stats.output_size_in_bytes),
         aliased=int(stats.alias_size_in_bytes),
     )
+
+
+def _aval_bytes(var) -> int:
+    aval = var.aval
+    if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+        return 0  # tokens and other abstract values hold no buffer
+    return _size(aval.shape) * aval.dtype.itemsize
+
+
+def _internal_peak(jaxpr) -> int:
+    """Peak bytes of the values a jaxpr creates (its inputs belong to the caller)."""
+    eqns = jaxpr.eqns
+    end = len(eqns)
+    last_use: dict = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if isinstance(v, jex.core.Var):
+                last_use[v] = i
+    for v in jaxpr.outvars:
+        if isinstance(v, jex.core.Var):
+            last_use[v] = end
+    created: set = set()
+    live = peak = 0
+    for i, eqn in enumerate(eqns):
+        produced = sum(_aval_bytes(v) for v in eqn.outvars)
+        nested = max((_internal_peak(sub) for sub in jex.core.jaxprs_in_params(eqn.params)), default=0)
+        # While an equation runs, its inputs, its outputs and its own temporaries are all live.
+        peak = max(peak, live + max(produced, nested))
+        live += produced
+        for v in eqn.outvars:
+            created.add(v)
+            if last_use.get(v, i) <= i:  # never read again: dropped right away
+                live -= _aval_bytes(v)
+        for v in {v for v in eqn.invars if isinstance(v, jex.core.Var)}:
+            if v in created and last_use[v] == i:
+                live -= _aval_bytes(v)
+    return peak
+
+
+def program_order_peak(fn: Callable[..., Any], *args: Any) -> int:
+    """Estimated peak bytes of ``fn(*args)`` when run in program order (traced only, nothing runs).
+
+    Arguments stay live throughout (they belong to the caller); every value ``fn`` creates is
+    allocated when its equation runs and freed after its last use; nested jaxprs (jit, remat,
+    custom_vjp, scan bodies) add their own internal peak while their equation runs. It ignores
+    fusion (which removes elementwise temporaries, so it tends to overestimate) and in-place reuse,
+    and assumes a scheduler that keeps program order, as memory-aware GPU schedulers roughly do.
+    For a grad step the forward/backward boundary, where every residual is live, usually sets it.
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    arguments = sum(_aval_bytes(v) for v in closed.jaxpr.invars + closed.jaxpr.constvars)
+    return arguments + _internal_peak(closed.jaxpr)
