@@ -4,7 +4,7 @@ from bsr_jax.elementwise import bsr_scale_shift
 from bsr_jax.format import BlockSparse, Pruning, capacity_for, from_dense
 from bsr_jax.layers import Affine, Dense, LayerScale
 from bsr_jax.linear import bsr_linear
-from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, program_order_peak, residual_bytes
+from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, program_order_peak, remat_policy, residual_bytes
 
 __all__ = [
     "Affine",
@@ -20,5 +20,6 @@ __all__ = [
     "compiled_memory",
     "from_dense",
     "program_order_peak",
+    "remat_policy",
     "residual_bytes",
 ]

@@ -31,6 +31,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Criterion = Literal["l2", "l1"]
 Selection = Literal["global", "column"]
@@ -38,6 +39,7 @@ BlockSpec = int | tuple[int, int]
 
 StorageDtype = Literal["bfloat16", "int8", "float8_e4m3fn"]
 
+RESIDUAL_NAME = "bsr_blocks"
 CRITERIA = ("l2", "l1")
 STORAGE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 SELECTIONS = ("global", "column")
@@ -193,8 +195,11 @@ class Pruning:
             raise ValueError(f"storage_dtype must be None or one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
 
     def compress(self, x: jax.Array, key: jax.Array | None = None) -> BlockSparse:
-        """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``; stochastic when ``key`` is given."""
-        return from_dense(
+        """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``; stochastic when ``key`` is given.
+
+        The arrays are named ``RESIDUAL_NAME`` for ``jax.checkpoint`` policies (``remat_policy``).
+        """
+        blocks = from_dense(
             x.reshape(-1, x.shape[-1]),
             self.sparsity,
             self.block,
@@ -203,6 +208,7 @@ class Pruning:
             storage_dtype=self.storage_dtype,
             key=key,
         )
+        return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), blocks)
 
 
 def quantize_blocks(values: jax.Array, storage_dtype: StorageDtype | None) -> tuple[jax.Array, jax.Array | None]:

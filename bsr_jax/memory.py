@@ -26,7 +26,24 @@ from typing import Any
 import jax
 import jax.extend as jex
 
+from bsr_jax.format import RESIDUAL_NAME
+
 MIB = 2**20
+
+
+def remat_policy():
+    """A ``jax.checkpoint`` policy: keep block-sparse residuals and matmul outputs, recompute
+    every elementwise op in the backward pass.
+
+    ``jax.checkpoint(block, policy=bsr_jax.remat_policy())`` (or ``nn.remat(Block, policy=...)``)
+    stores, per block, the kept blocks of each pruned layer and the outputs of unbatched dots (e.g.
+    a GELU's input), and recomputes the cheap elementwise ops (activations, norms, scales and their
+    internal temporaries); no matmul is recomputed.
+    """
+    policies = jax.checkpoint_policies
+    return policies.save_from_both_policies(
+        policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(RESIDUAL_NAME)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
