@@ -10,17 +10,21 @@ Array fields (``cap = capacity``, ``Kb = ceil(K / bk)``):
 ==========  ==============  =============  ==================================================
 field       shape           dtype          meaning
 ==========  ==============  =============  ==================================================
-values      (cap, bm, bk)   x's dtype      the kept blocks, in block-column-major order
+values      (cap, bm, bk)   x's dtype [1]  the kept blocks, in block-column-major order
 block_rows  (cap,)          int16 / int32  block-row index of each kept block, in [0, Mb)
 col_ptr     (Kb + 1,)       int32          kept blocks of block-column j: col_ptr[j]:col_ptr[j+1]
+scales      (cap,) or None  float32        per-block scale of int8 / float8 values [1]
 ==========  ==============  =============  ==================================================
+
+[1] With ``storage_dtype`` the values are bfloat16, int8 or float8_e4m3fn (times ``scales``);
+``dense_dtype`` (static) remembers x's dtype and ``dequantized()`` restores it.
 
 Only these are stored, because they are what the backward pass keeps alive. ``block_rows`` is
 int16 whenever ``Mb`` fits (at block 4 an int32 row and column id per block would add 12.5% to
 the 64 values of an f32 block; int16 rows alone add 3%). Kernels read the int32 views
 ``row_ids`` and ``col_ids`` (derived from ``col_ptr``), computed in the backward pass.
 
-Static metadata (``shape``, ``block``) is pytree aux data, so jit specialises on it.
+Static metadata (``shape``, ``block``, ``dense_dtype``) is pytree aux data, so jit specialises on it.
 """
 
 from __future__ import annotations
