@@ -1,0 +1,14 @@
+"""Train ResMLP on ImageNet (ILSVRC 2012) at 224px, patch 16, with block-sparse activation residuals.
+
+Example: python -m train.imagenet --model s12 --sparsity 0.7 --block 16 --data-dir ~/imagenet
+(--data-dir holds ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar, tfds' manual_dir layout,
+or an image folder train/<class>/*.JPEG, val/<class>/*.JPEG).
+"""
+
+import sys
+
+from train.cli import main
+from train.config import IMAGENET_DEFAULTS
+
+if __name__ == "__main__":
+    sys.exit(main("train.imagenet", __doc__, IMAGENET_DEFAULTS, ("imagenet2012", "imagefolder"), sys.argv[1:]))

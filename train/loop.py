@@ -1,0 +1,408 @@
+"""The train loop both CLIs share: ``train_and_evaluate(config, workdir)``.
+
+One run: load the data, build the ResMLP and the optimizer, restore the last checkpoint if asked,
+then train with a jitted, data-parallel step (see ``train.sharding`` for the per-device pruning
+semantics and multi-host use), evaluating at the end of every epoch. Everything it reports is
+printed and appended as JSON lines to ``WORKDIR/metrics.jsonl``:
+
+* ``{"kind": "memory", ...}`` once: residual activation MiB per device (``bsr_jax.residual_bytes``
+  of the loss at the per-device batch; what the backward pass keeps), the compiled step's peak and
+  temporaries (XLA ``memory_analysis``; on CPU a secondary figure, see docs/memory.md), and the
+  fraction of activation blocks the pruned layers really keep (capacities round up);
+* ``{"kind": "train", ...}`` every ``log_every`` steps: loss, accuracy, gradient norm, learning
+  rate, step time, images/s, and the device's peak bytes where the backend reports them (GPU);
+* ``{"kind": "eval", ...}`` after every epoch and at the end: test loss and accuracy.
+
+``WORKDIR/config.json`` holds the config and run facts; ``WORKDIR/checkpoints`` the Orbax
+checkpoints (every ``checkpoint_every`` steps, at the end, and on SIGINT/SIGTERM, after which the
+run stops cleanly). A NaN or infinite loss stops the run with ``FloatingPointError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import bsr_jax
+from bsr_jax.format import block_grid, capacity_for, normalize_block
+from train import data, sharding
+from train.checkpoint import Checkpoints
+from train.config import TrainConfig, UsageError
+from train.models import PRESETS, ResMLP, dense_def, scale_shift_defs
+
+MIB = 2**20
+State = dict[str, Any]  # {"step": int32 (), "params": pytree, "opt_state": pytree}
+
+
+# ----------------------------------------------------------------------------- model & optimizer
+
+
+def create_model(config: TrainConfig, num_classes: int) -> ResMLP:
+    """The ResMLP of ``config``: blocks' linears pruned at ``config.sparsity``, stem/head optionally."""
+    preset = dict(PRESETS[config.model])
+    preset.update({k: v for k, v in (("dim", config.dim), ("depth", config.depth)) if v is not None})
+    pruning = dict(sparsity=config.sparsity, block=config.block, criterion=config.criterion, selection=config.selection)
+    dense, plain = dense_def(**pruning, backend=config.backend), dense_def(backend=config.backend)
+    affine, layerscale = scale_shift_defs(**pruning) if config.prune_scale_shift else scale_shift_defs()
+    return ResMLP(
+        num_classes=num_classes,
+        patch_size=config.patch_size,
+        dense=dense,
+        stem_dense=dense if config.sparse_stem else plain,
+        head_dense=dense if config.sparse_head else plain,
+        affine=affine,
+        layerscale=layerscale,
+        dtype=jnp.bfloat16 if config.dtype == "bfloat16" else None,
+        **preset,
+    )
+
+
+def learning_rate_schedule(config: TrainConfig, steps_per_epoch: int) -> optax.Schedule:
+    """Linear warmup (at most 20% of the run) then cosine decay to ``min_lr`` at the last epoch."""
+    total = config.epochs * steps_per_epoch
+    warmup = min(round(config.warmup_epochs * steps_per_epoch), total // 5)
+    return optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, total, end_value=config.min_lr)
+
+
+def decay_mask(params: Any) -> Any:
+    """True for kernels only: no weight decay on biases, Affine (alpha, beta) and LayerScale."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
+
+
+def create_optimizer(config: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    if config.optimizer == "lamb":
+        return optax.lamb(schedule, weight_decay=config.weight_decay, mask=decay_mask)
+    return optax.adamw(schedule, weight_decay=config.weight_decay, mask=decay_mask)
+
+
+def loss_function(model: nn.Module, num_classes: int, label_smoothing: float):
+    """``(params, batch) -> (mean smoothed cross-entropy, {"accuracy"})`` over the batch."""
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["image"])
+        targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], num_classes), label_smoothing)
+        loss = optax.softmax_cross_entropy(logits, targets).mean()
+        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
+
+    return loss_fn
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def create_state(model: nn.Module, tx: optax.GradientTransformation, image_shape, seed: int, mesh) -> State:
+    """Initial state, replicated over ``mesh``. ``image_shape`` is ``(B, H, W, C)`` (B unused but > 0)."""
+
+    def init():
+        params = model.init(jax.random.key(seed), jnp.zeros(image_shape, jnp.float32))["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    return jax.jit(init, out_shardings=sharding.replicated(mesh))()
+
+
+def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh):
+    """Jitted ``(state, batch) -> (state, metrics)``; the state is donated, the batch is sharded."""
+    grad_fn = sharding.data_parallel_grad(loss_fn, mesh)
+
+    def step(state, batch):
+        (loss, aux), grads = grad_fn(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    rep = sharding.replicated(mesh)
+    return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=(rep, rep), donate_argnums=0)
+
+
+def make_eval_step(model: nn.Module, mesh):
+    """Jitted ``(params, batch) -> {"loss_sum", "correct", "count"}`` over the real (mask 1) examples."""
+
+    def step(params, batch):
+        logits = model.apply({"params": params}, batch["image"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+        mask = batch["mask"]
+        return {"loss_sum": jnp.sum(losses * mask), "correct": jnp.sum(correct * mask), "count": jnp.sum(mask)}
+
+    rep = sharding.replicated(mesh)
+    return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=rep)
+
+
+def evaluate(eval_step, params, batches: Iterator[dict], mesh) -> dict[str, float]:
+    totals = None
+    for batch in data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh)):
+        out = eval_step(params, batch)
+        totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+    totals = jax.device_get(totals)
+    return {"test_loss": float(totals["loss_sum"] / totals["count"]), "test_accuracy": float(totals["correct"] / totals["count"])}
+
+
+# ----------------------------------------------------------------------------- memory figures
+
+
+def kept_block_fraction(model: nn.Module, params: Any, images: jax.ShapeDtypeStruct) -> float:
+    """Kept / total blocks over all pruned layers' inputs at this batch shape (1.0 if none is pruned)."""
+    kept, total = 0, 0
+
+    def record(next_fun, args, kwargs, context):
+        nonlocal kept, total
+        module = context.module
+        if context.method_name == "__call__" and getattr(module, "sparsity", 0.0) > 0.0:
+            x = args[0]
+            grid = block_grid((math.prod(x.shape[:-1]), x.shape[-1]), normalize_block(module.block))
+            kept += capacity_for(grid, module.sparsity, module.selection)
+            total += grid[0] * grid[1]
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(model.apply, {"params": params}, images)
+    return kept / total if total else 1.0
+
+
+def memory_report(model, loss_fn, compiled_step, state: State, batch_shape: tuple[int, ...], mesh) -> dict[str, Any]:
+    """Per-device memory figures of one training step (computed from shapes; nothing runs)."""
+    per_device = (batch_shape[0] // mesh.devices.size, *batch_shape[1:])
+    images = jax.ShapeDtypeStruct(per_device, jnp.float32)
+    labels = jax.ShapeDtypeStruct(per_device[:1], jnp.int32)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state["params"])
+    residuals = bsr_jax.residual_bytes(lambda p, x, y: loss_fn(p, {"image": x, "label": y})[0], params, images, labels)
+    stats = compiled_step.memory_analysis()
+    compiled = bsr_jax.CompiledMemory(
+        temp=int(stats.temp_size_in_bytes),
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        aliased=int(stats.alias_size_in_bytes),
+    )
+    return {
+        "kind": "memory",
+        "per_device_batch": per_device[0],
+        "residual_activation_mib": (residuals.activations + residuals.inputs) / MIB,
+        "compiled_peak_mib": compiled.peak / MIB,
+        "compiled_temp_mib": compiled.temp / MIB,
+        "kept_block_fraction": kept_block_fraction(model, params, images),
+    }
+
+
+def device_peak_mib() -> float | None:
+    """Peak bytes in use on the first local device, where the backend reports it (GPU, TPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return stats["peak_bytes_in_use"] / MIB if stats and "peak_bytes_in_use" in stats else None
+
+
+# ----------------------------------------------------------------------------- run control
+
+
+class _StopRequest:
+    """Set by SIGINT/SIGTERM; a second signal raises KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint and stopping after this step")
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[_StopRequest]:
+    request = _StopRequest()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield request
+        return
+    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class _Log:
+    """Prints metric records and appends them to ``metrics.jsonl`` (process 0 only)."""
+
+    def __init__(self, workdir: str, keep_until_step: int | None):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            # A resumed run rewrites what the interrupted one logged after its last checkpoint.
+            kept = []
+            if keep_until_step is not None and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if json.loads(line).get("step", 0) <= keep_until_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        tqdm.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# ----------------------------------------------------------------------------- train_and_evaluate
+
+
+def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
+    """Train ``config`` in ``workdir``.
+
+    Returns:
+      ``{"memory", "train", "eval"}`` (the last record of each kind; "train" and "eval" are absent
+      when no step ran), ``"step"`` reached, and ``"stopped_by"``: the signal number that stopped
+      the run early, or None.
+
+    Raises:
+      train.data.DataNotFoundError: the dataset cannot be found (its message says where it looked).
+      train.config.UsageError: workdir holds checkpoints but ``config.resume`` is false, or a batch
+        size does not divide over the devices.
+      FloatingPointError: the loss became NaN or infinite.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    mesh = sharding.make_mesh()
+    for name, size in (("batch_size", config.batch_size), ("eval_batch_size", config.eval_batch_size)):
+        if size % mesh.devices.size:
+            raise UsageError(f"{name} must be a multiple of the {mesh.devices.size} devices, got {size}")
+    checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+    if checkpoints.latest_step() is not None and not config.resume:
+        raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
+
+    # ------------------------------------------------------------------ data
+    stored_size = config.image_size if config.dataset == "imagenet2012" else None
+    load = dict(data_dir=config.data_dir, cache_dir=config.cache_dir, image_size=stored_size)
+    train_data = data.load_split(config.dataset, "train", **load)
+    test_data = data.load_split(config.dataset, "test", **load)
+    crop = None if config.augment == "cifar" else config.image_size
+    steps_per_epoch = data.steps_per_epoch(train_data, config.batch_size)
+    total_steps = config.epochs * steps_per_epoch
+    stop_step = min(config.steps or total_steps, total_steps)
+
+    # ------------------------------------------------------------------ model, optimizer, state
+    model = create_model(config, train_data.num_classes)
+    schedule = learning_rate_schedule(config, steps_per_epoch)
+    tx = create_optimizer(config, schedule)
+    loss_fn = loss_function(model, train_data.num_classes, config.label_smoothing)
+    image_shape = (config.batch_size, config.image_size, config.image_size, 3)
+    state = create_state(model, tx, image_shape, config.seed, mesh)
+    if config.resume and checkpoints.latest_step() is not None:
+        state = checkpoints.restore(state)
+    start_step = int(state["step"])
+    log = _Log(workdir, keep_until_step=start_step if config.resume else None)
+    batch_struct = {
+        "image": jax.ShapeDtypeStruct(image_shape, jnp.float32, sharding=sharding.batch_sharding(mesh)),
+        "label": jax.ShapeDtypeStruct(image_shape[:1], jnp.int32, sharding=sharding.batch_sharding(mesh)),
+    }
+    # Compiled once here; the same executable runs every step and reports its memory.
+    train_step = make_train_step(loss_fn, tx, schedule, mesh).lower(state, batch_struct).compile()
+    eval_step = make_eval_step(model, mesh)
+    num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    if jax.process_index() == 0:
+        run = dict(
+            devices=mesh.devices.size,
+            platform=jax.default_backend(),
+            num_params=num_params,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total_steps,
+            train_examples=len(train_data),
+            test_examples=len(test_data),
+        )
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump({"config": config.to_json(), "run": run}, f, indent=2)
+    memory = memory_report(model, loss_fn, train_step, state, image_shape, mesh)
+    log({"step": start_step, **memory})
+    tqdm.write(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
+
+    # ------------------------------------------------------------------ train
+    result: dict[str, Any] = {"memory": memory}
+    step = start_step
+    interval: list[dict] = []  # metrics of the steps since the last record
+    timer = _Timer()
+    with _stop_on_signals() as stop, tqdm(total=stop_step, initial=start_step, unit="step", disable=None) as bar:
+        while step < stop_step and stop.signal is None:
+            epoch, start_batch = divmod(step, steps_per_epoch)
+            batches = data.train_batches(
+                train_data, config.batch_size, seed=config.seed, epoch=epoch, start_batch=start_batch,
+                augment=config.augment, image_size=crop,
+            )  # fmt: skip
+            batches = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
+            for batch in batches:
+                state, metrics = train_step(state, batch)
+                step += 1
+                interval.append(metrics)
+                bar.update(1)
+                if step == start_step + 1:  # the first step's time includes warm-up: not timed
+                    jax.block_until_ready(metrics)
+                    timer.restart()
+                else:
+                    timer.steps += 1
+                end_of_epoch = step % steps_per_epoch == 0 or step == stop_step
+                if step % config.log_every == 0 or end_of_epoch or stop.signal is not None:
+                    result["train"] = _train_record(interval, timer, step, steps_per_epoch, config.batch_size)
+                    log(result["train"])
+                    bar.set_postfix(loss=f"{result['train']['loss']:.3f}")
+                    interval = []
+                if step % config.checkpoint_every == 0 or step == stop_step or stop.signal is not None:
+                    checkpoints.save(step, state)
+                if end_of_epoch:
+                    result["eval"] = {"kind": "eval", "step": step, "epoch": step / steps_per_epoch}
+                    test_batches = data.eval_batches(test_data, config.eval_batch_size, image_size=crop)
+                    result["eval"].update(evaluate(eval_step, state["params"], test_batches, mesh))
+                    log(result["eval"])
+                if not interval:  # a record was written: time from here, without logging/saving/eval
+                    timer.restart()
+                if step >= stop_step or stop.signal is not None:
+                    break
+    checkpoints.save(step, state)
+    checkpoints.close()
+    if stop.signal is not None:
+        tqdm.write(f"stopped by {signal.Signals(stop.signal).name} at step {step}; continue with --resume")
+    result.update(step=step, stopped_by=stop.signal)
+    return result
+
+
+class _Timer:
+    """Wall time of the ``steps`` counted since ``restart``."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+
+def _train_record(interval: list[dict], timer: _Timer, step: int, steps_per_epoch: int, batch_size: int) -> dict:
+    """Mean metrics of the steps since the last record; raises on a non-finite loss."""
+    values = jax.device_get(interval)
+    elapsed = time.perf_counter() - timer.start  # after device_get: every step has finished
+    losses = np.array([v["loss"] for v in values])
+    if not np.all(np.isfinite(losses)):
+        bad = step - len(values) + int(np.argmin(np.isfinite(losses))) + 1
+        raise FloatingPointError(f"loss became {losses[~np.isfinite(losses)][0]} at step {bad}")
+    record = {"kind": "train", "step": step, "epoch": step / steps_per_epoch}
+    record.update({k: float(np.mean([v[k] for v in values])) for k in values[0]})
+    if timer.steps:
+        record.update(step_time_s=elapsed / timer.steps, images_per_s=batch_size * timer.steps / elapsed)
+    peak = device_peak_mib()
+    if peak is not None:
+        record["device_peak_mib"] = peak
+    return record

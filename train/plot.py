@@ -1,0 +1,70 @@
+"""Loss and test-accuracy curves of several runs in one PNG.
+
+    python -m train.plot runs/tiny_dense runs/tiny_s0.7 --out curves.png
+
+Reads each WORKDIR/metrics.jsonl (written by ``train.loop``); a run is labelled by its directory
+name. Curves are drawn against epochs, so runs with different batch sizes line up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of ``workdir/metrics.jsonl``; ``FileNotFoundError`` names the missing file."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no metrics in {workdir}: {path} does not exist")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_runs(workdirs: Sequence[str], out: str) -> None:
+    """Train loss (left), test loss (middle) and test accuracy (right) of each run, in ``out``."""
+    fig, (ax_loss, ax_test_loss, ax_acc) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for workdir in workdirs:
+        records = read_metrics(workdir)
+        label = os.path.basename(os.path.normpath(workdir))
+        train = [r for r in records if r.get("kind") == "train"]
+        evals = [r for r in records if r.get("kind") == "eval"]
+        ax_loss.plot([r["epoch"] for r in train], [r["loss"] for r in train], label=label)
+        ax_test_loss.plot([r["epoch"] for r in evals], [r["test_loss"] for r in evals], marker="o", label=label)
+        ax_acc.plot([r["epoch"] for r in evals], [r["test_accuracy"] for r in evals], marker="o", label=label)
+    for ax, title in ((ax_loss, "train loss"), (ax_test_loss, "test loss"), (ax_acc, "test accuracy")):
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="train.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="run directories holding metrics.jsonl")
+    parser.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
+    args = parser.parse_args(argv)
+    try:
+        plot_runs(args.workdirs, args.out)
+    except FileNotFoundError as error:
+        print(f"train.plot: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Data parallelism: a 1-D device mesh over a ``"data"`` axis, batches sharded, params replicated.
+
+Per-shard pruning. The loss and its gradients run under ``jax.shard_map``: each device computes
+the forward and backward pass of its own ``B / n`` examples, so every ``bsr_jax.Dense`` prunes the
+activations of its local shard only (capacity and top-k per shard, from the local shape
+``(B / n * rows, K)``) and no activation is gathered across devices. The gradients are then
+averaged with ``lax.pmean``. The step therefore equals the mean over shards of single-device
+steps on each shard:
+
+    grads = mean_s grad(loss)(params, shard_s)
+
+At sparsity 0 this is the full-batch gradient up to float reassociation (loss is a mean over
+equal shards). At sparsity > 0 it differs from pruning the whole batch at once: each shard keeps
+its own top ``(1 - sparsity)`` fraction of blocks, i.e. the same memory per device, with a
+per-shard rather than global ranking.
+
+Multi-host. Call ``jax.distributed.initialize()`` (coordinator address, process count and id from
+the cluster environment or arguments) before anything else touches JAX; ``jax.devices()`` then
+lists every device of every host and the mesh spans them all. Every process iterates the same
+deterministic global batches (same seed, epoch, step) and contributes its own rows,
+``local_rows``, which ``jax.make_array_from_process_local_data`` assembles into the global array.
+Checkpoints are written collectively by Orbax to a directory all hosts can see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DATA_AXIS = "data"
+
+
+def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over ``devices`` (default: all devices of all processes), axis ``"data"``."""
+    return Mesh(np.asarray(jax.devices() if devices is None else devices), (DATA_AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over ``"data"``, other axes whole."""
+    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+def local_rows(batch: Any) -> Any:
+    """This process's contiguous slice of a global host batch (the whole batch with one process)."""
+    count, index = jax.process_count(), jax.process_index()
+    if count == 1:
+        return batch
+
+    def rows(x: np.ndarray) -> np.ndarray:
+        per = x.shape[0] // count
+        return x[index * per : (index + 1) * per]
+
+    return jax.tree.map(rows, batch)
+
+
+def data_parallel_grad(
+    loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]], mesh: Mesh
+) -> Callable[[Any, Any], tuple[tuple[jax.Array, Any], Any]]:
+    """``(params, batch) -> ((loss, aux), grads)`` averaged over the shards of ``batch``.
+
+    ``loss_fn(params, batch) -> (loss, aux)`` is a mean over its batch; ``aux`` a pytree of scalar
+    means. Each device differentiates it on its local shard (see the module docstring for the
+    pruning semantics); losses, aux and grads are ``pmean``-ed, so all outputs are replicated.
+    """
+
+    def local(params, batch):
+        # Mark the replicated params as per-device values, so their gradients stay per-shard
+        # (rather than being summed implicitly by the transpose of the broadcast) and the one
+        # reduction is the explicit pmean below.
+        params = jax.lax.pcast(params, DATA_AXIS, to="varying")
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        return jax.lax.pmean(((loss, aux), grads), DATA_AXIS)
+
+    spec = PartitionSpec(DATA_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), spec), out_specs=PartitionSpec())
