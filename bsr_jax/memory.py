@@ -124,6 +124,19 @@ class CompiledMemory:
         """Upper bound of live bytes: temporaries plus arguments plus outputs not aliased."""
         return self.temp + self.arguments + self.outputs - self.aliased
 
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> CompiledMemory:
+        """The memory analysis of an already compiled function."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis")
+        return cls(
+            temp=int(stats.temp_size_in_bytes),
+            arguments=int(stats.argument_size_in_bytes),
+            outputs=int(stats.output_size_in_bytes),
+            aliased=int(stats.alias_size_in_bytes),
+        )
+
 
 def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CompiledMemory:
     """Compile ``fn`` (jitted here if it is not already) for ``args`` and read its memory analysis.
@@ -131,15 +144,7 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Compil
     ``args`` may be arrays or ``jax.ShapeDtypeStruct``. Nothing is executed.
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    stats = jitted.lower(*args, **kwargs).compile().memory_analysis()
-    if stats is None:
-        raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis")
-    return CompiledMemory(
-        temp=int(stats.temp_size_in_bytes),
-        arguments=int(stats.argument_size_in_bytes),
-        outputs=int(stats.output_size_in_bytes),
-        aliased=int(stats.alias_size_in_bytes),
-    )
+    return CompiledMemory.of(jitted.lower(*args, **kwargs).compile())
 
 
 def _aval_bytes(var) -> int:
