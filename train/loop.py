@@ -22,29 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from tqdm import tqdm
 
-import bsr_jax
-from bsr_jax.format import block_grid, capacity_for, normalize_block
-from train import data, sharding
+from train import data, metrics, sharding
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
 from train.models import PRESETS, ResMLP, dense_def, scale_shift_defs
 
-MIB = 2**20
 State = dict[str, Any]  # {"step": int32 (), "params": pytree, "opt_state": pytree}
 
 
@@ -122,8 +116,8 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule: optax.S
         (loss, aux), grads = grad_fn(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        reported = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, reported
 
     rep = sharding.replicated(mesh)
     return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=(rep, rep), donate_argnums=0)
@@ -150,58 +144,6 @@ def evaluate(eval_step, params, batches: Iterator[dict], mesh) -> dict[str, floa
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     totals = jax.device_get(totals)
     return {"test_loss": float(totals["loss_sum"] / totals["count"]), "test_accuracy": float(totals["correct"] / totals["count"])}
-
-
-# ----------------------------------------------------------------------------- memory figures
-
-
-def kept_block_fraction(model: nn.Module, params: Any, images: jax.ShapeDtypeStruct) -> float:
-    """Kept / total blocks over all pruned layers' inputs at this batch shape (1.0 if none is pruned)."""
-    kept, total = 0, 0
-
-    def record(next_fun, args, kwargs, context):
-        nonlocal kept, total
-        module = context.module
-        if context.method_name == "__call__" and getattr(module, "sparsity", 0.0) > 0.0:
-            x = args[0]
-            grid = block_grid((math.prod(x.shape[:-1]), x.shape[-1]), normalize_block(module.block))
-            kept += capacity_for(grid, module.sparsity, module.selection)
-            total += grid[0] * grid[1]
-        return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(record):
-        jax.eval_shape(model.apply, {"params": params}, images)
-    return kept / total if total else 1.0
-
-
-def memory_report(model, loss_fn, compiled_step, state: State, batch_shape: tuple[int, ...], mesh) -> dict[str, Any]:
-    """Per-device memory figures of one training step (computed from shapes; nothing runs)."""
-    per_device = (batch_shape[0] // mesh.devices.size, *batch_shape[1:])
-    images = jax.ShapeDtypeStruct(per_device, jnp.float32)
-    labels = jax.ShapeDtypeStruct(per_device[:1], jnp.int32)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state["params"])
-    residuals = bsr_jax.residual_bytes(lambda p, x, y: loss_fn(p, {"image": x, "label": y})[0], params, images, labels)
-    stats = compiled_step.memory_analysis()
-    compiled = bsr_jax.CompiledMemory(
-        temp=int(stats.temp_size_in_bytes),
-        arguments=int(stats.argument_size_in_bytes),
-        outputs=int(stats.output_size_in_bytes),
-        aliased=int(stats.alias_size_in_bytes),
-    )
-    return {
-        "kind": "memory",
-        "per_device_batch": per_device[0],
-        "residual_activation_mib": (residuals.activations + residuals.inputs) / MIB,
-        "compiled_peak_mib": compiled.peak / MIB,
-        "compiled_temp_mib": compiled.temp / MIB,
-        "kept_block_fraction": kept_block_fraction(model, params, images),
-    }
-
-
-def device_peak_mib() -> float | None:
-    """Peak bytes in use on the first local device, where the backend reports it (GPU, TPU)."""
-    stats = jax.local_devices()[0].memory_stats()
-    return stats["peak_bytes_in_use"] / MIB if stats and "peak_bytes_in_use" in stats else None
 
 
 # ----------------------------------------------------------------------------- run control
@@ -234,33 +176,6 @@ def _stop_on_signals() -> Iterator[_StopRequest]:
             signal.signal(s, handler)
 
 
-class _Log:
-    """Prints metric records and appends them to ``metrics.jsonl`` (process 0 only)."""
-
-    def __init__(self, workdir: str, keep_until_step: int | None):
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self.enabled = jax.process_index() == 0
-        if self.enabled:
-            # A resumed run rewrites what the interrupted one logged after its last checkpoint.
-            kept = []
-            if keep_until_step is not None and os.path.exists(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if json.loads(line).get("step", 0) <= keep_until_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        tqdm.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
 # ----------------------------------------------------------------------------- train_and_evaluate
 
 
@@ -288,11 +203,17 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
 
     # ------------------------------------------------------------------ data
-    stored_size = config.image_size if config.dataset == "imagenet2012" else None
-    load = dict(data_dir=config.data_dir, cache_dir=config.cache_dir, image_size=stored_size)
+    # CIFAR and pad-crop augmentation use images at their stored size; otherwise the data layer
+    # stores squares of side image_size / 0.875 and batches are cropped to image_size.
+    native = config.dataset in ("cifar10", "cifar100") or config.augment == "cifar"
+    load = dict(data_dir=config.data_dir, cache_dir=config.cache_dir, image_size=None if native else config.image_size)
     train_data = data.load_split(config.dataset, "train", **load)
     test_data = data.load_split(config.dataset, "test", **load)
     crop = None if config.augment == "cifar" else config.image_size
+    stored = train_data.images.shape[1:3]
+    if crop is None and stored != (config.image_size, config.image_size):
+        raise UsageError(f"image_size is {config.image_size} but the {config.dataset} images are {stored[0]}x{stored[1]} "
+                         "and augment 'cifar' keeps their size: pass --image-size to match, or --augment imagenet")  # fmt: skip
     steps_per_epoch = data.steps_per_epoch(train_data, config.batch_size)
     total_steps = config.epochs * steps_per_epoch
     stop_step = min(config.steps or total_steps, total_steps)
@@ -307,7 +228,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     if config.resume and checkpoints.latest_step() is not None:
         state = checkpoints.restore(state)
     start_step = int(state["step"])
-    log = _Log(workdir, keep_until_step=start_step if config.resume else None)
+    log = metrics.MetricsLog(workdir, keep_until_step=start_step if config.resume else None)
     batch_struct = {
         "image": jax.ShapeDtypeStruct(image_shape, jnp.float32, sharding=sharding.batch_sharding(mesh)),
         "label": jax.ShapeDtypeStruct(image_shape[:1], jnp.int32, sharding=sharding.batch_sharding(mesh)),
@@ -328,7 +249,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         )
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump({"config": config.to_json(), "run": run}, f, indent=2)
-    memory = memory_report(model, loss_fn, train_step, state, image_shape, mesh)
+    memory = metrics.memory_report(model, loss_fn, train_step, state, image_shape, mesh)
     log({"step": start_step, **memory})
     tqdm.write(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
 
@@ -336,7 +257,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     result: dict[str, Any] = {"memory": memory}
     step = start_step
     interval: list[dict] = []  # metrics of the steps since the last record
-    timer = _Timer()
+    timer = metrics.StepTimer()
     with _stop_on_signals() as stop, tqdm(total=stop_step, initial=start_step, unit="step", disable=None) as bar:
         while step < stop_step and stop.signal is None:
             epoch, start_batch = divmod(step, steps_per_epoch)
@@ -346,18 +267,18 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
             )  # fmt: skip
             batches = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
             for batch in batches:
-                state, metrics = train_step(state, batch)
+                state, step_metrics = train_step(state, batch)
                 step += 1
-                interval.append(metrics)
+                interval.append(step_metrics)
                 bar.update(1)
                 if step == start_step + 1:  # the first step's time includes warm-up: not timed
-                    jax.block_until_ready(metrics)
+                    jax.block_until_ready(step_metrics)
                     timer.restart()
                 else:
                     timer.steps += 1
                 end_of_epoch = step % steps_per_epoch == 0 or step == stop_step
                 if step % config.log_every == 0 or end_of_epoch or stop.signal is not None:
-                    result["train"] = _train_record(interval, timer, step, steps_per_epoch, config.batch_size)
+                    result["train"] = metrics.train_record(interval, timer, step, steps_per_epoch, config.batch_size)
                     log(result["train"])
                     bar.set_postfix(loss=f"{result['train']['loss']:.3f}")
                     interval = []
@@ -378,31 +299,3 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         tqdm.write(f"stopped by {signal.Signals(stop.signal).name} at step {step}; continue with --resume")
     result.update(step=step, stopped_by=stop.signal)
     return result
-
-
-class _Timer:
-    """Wall time of the ``steps`` counted since ``restart``."""
-
-    def __init__(self):
-        self.restart()
-
-    def restart(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
-
-
-def _train_record(interval: list[dict], timer: _Timer, step: int, steps_per_epoch: int, batch_size: int) -> dict:
-    """Mean metrics of the steps since the last record; raises on a non-finite loss."""
-    values = jax.device_get(interval)
-    elapsed = time.perf_counter() - timer.start  # after device_get: every step has finished
-    losses = np.array([v["loss"] for v in values])
-    if not np.all(np.isfinite(losses)):
-        bad = step - len(values) + int(np.argmin(np.isfinite(losses))) + 1
-        raise FloatingPointError(f"loss became {losses[~np.isfinite(losses)][0]} at step {bad}")
-    record = {"kind": "train", "step": step, "epoch": step / steps_per_epoch}
-    record.update({k: float(np.mean([v[k] for v in values])) for k in values[0]})
-    if timer.steps:
-        record.update(step_time_s=elapsed / timer.steps, images_per_s=batch_size * timer.steps / elapsed)
-    peak = device_peak_mib()
-    if peak is not None:
-        record["device_peak_mib"] = peak
-    return record

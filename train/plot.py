@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -6,17 +6,18 @@
    reassociation only), and so do the params after two optimizer steps;
 2. sparsity 0.7: the grads equal the mean over shards of single-device grads on each shard (each
    device prunes its own shard) and differ from pruning the whole batch at once;
-3. the compiled step never gathers the batch (no all-gather in its HLO).
+3. the compiled step never gathers the batch (no all-gather in its HLO);
+4. train_and_evaluate runs on the 4-device mesh (per-device batch 4) and evaluates.
 """
 
 import sys
+import tempfile
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from train import loop, sharding
+from train import data, loop, sharding
 from train.config import TrainConfig
 
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -63,7 +64,7 @@ def main() -> int:
     loss_fn, schedule, tx, model, batch = setup(0.7)
     (loss4, _), grads4 = grads_on(multi, loss_fn, state["params"], batch)
     local = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
-    shards = [jax.tree.map(lambda x: x[i * 4 : (i + 1) * 4], batch) for i in range(4)]
+    shards = [{k: v[i * 4 : (i + 1) * 4] for k, v in batch.items()} for i in range(4)]
     per_shard = [local(state["params"], shard) for shard in shards]
     mean = lambda *xs: sum(xs) / len(xs)
     chex.assert_trees_all_close(grads4, jax.tree.map(mean, *[g for _, g in per_shard]), **TOL)
@@ -77,6 +78,16 @@ def main() -> int:
     s = jax.device_put(state, sharding.replicated(multi))
     hlo = step.lower(s, jax.device_put(batch, sharding.batch_sharding(multi))).compile().as_text()
     assert "all-gather" not in hlo and "all-reduce" in hlo
+
+    # 4. the whole loop, data sharded by prefetch.
+    rng = np.random.default_rng(1)
+    split = data.ArrayDataset(rng.integers(0, 256, (32, 8, 8, 3), dtype=np.uint8), (np.arange(32) % 4).astype(np.int32), 4)
+    data.load_split = lambda dataset, name, **kw: split
+    cfg = TrainConfig(dim=16, depth=1, image_size=8, patch_size=4, batch_size=16, eval_batch_size=8, epochs=1, sparsity=0.5, block=4)
+    with tempfile.TemporaryDirectory() as workdir:
+        result = loop.train_and_evaluate(cfg, workdir)
+    assert result["step"] == 2 and result["memory"]["per_device_batch"] == 4, result
+    assert 0.0 <= result["eval"]["test_accuracy"] <= 1.0
     print("4 devices: all checks passed")
     return 0
 

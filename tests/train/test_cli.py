@@ -26,7 +26,7 @@ def run_cli(module: str, *args: str, home) -> subprocess.CompletedProcess:
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("BSR_JAX_CACHE", None)
-    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
 
 
 @pytest.mark.parametrize("defaults", [CIFAR_DEFAULTS, IMAGENET_DEFAULTS])

@@ -1,0 +1,133 @@
+"""What a run reports: memory figures (once), train records, and the JSON-lines log.
+
+Memory figures are per device and computed from shapes, before the first step:
+``residual_activation_mib`` is ``bsr_jax.residual_bytes`` of the loss at the per-device batch
+(activations and the input batch the backward pass keeps: the figure block-sparse residuals
+shrink); ``compiled_peak_mib``/``compiled_temp_mib`` come from XLA's ``memory_analysis`` of the
+compiled step (on CPU a secondary figure, see docs/memory.md); ``kept_block_fraction`` is the
+fraction of activation blocks the pruned layers really keep (capacities round up, at least one
+block). On GPU/TPU, train records add ``device_peak_mib`` from the device's memory stats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import bsr_jax
+from bsr_jax.format import block_grid, capacity_for, normalize_block
+
+MIB = 2**20
+
+
+def kept_block_fraction(model: nn.Module, params: Any, images: jax.ShapeDtypeStruct) -> float:
+    """Kept / total blocks over all pruned layers' inputs at this batch shape (1.0 if none is pruned)."""
+    kept, total = 0, 0
+
+    def record(next_fun, args, kwargs, context):
+        nonlocal kept, total
+        module = context.module
+        if context.method_name == "__call__" and getattr(module, "sparsity", 0.0) > 0.0:
+            x = args[0]
+            grid = block_grid((math.prod(x.shape[:-1]), x.shape[-1]), normalize_block(module.block))
+            kept += capacity_for(grid, module.sparsity, module.selection)
+            total += grid[0] * grid[1]
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(model.apply, {"params": params}, images)
+    return kept / total if total else 1.0
+
+
+def memory_report(model, loss_fn, compiled_step, state: dict[str, Any], batch_shape: tuple[int, ...], mesh) -> dict[str, Any]:
+    """Per-device memory figures of one training step (computed from shapes; nothing runs)."""
+    per_device = (batch_shape[0] // mesh.devices.size, *batch_shape[1:])
+    images = jax.ShapeDtypeStruct(per_device, jnp.float32)
+    labels = jax.ShapeDtypeStruct(per_device[:1], jnp.int32)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state["params"])
+    residuals = bsr_jax.residual_bytes(lambda p, x, y: loss_fn(p, {"image": x, "label": y})[0], params, images, labels)
+    stats = compiled_step.memory_analysis()
+    compiled = bsr_jax.CompiledMemory(
+        temp=int(stats.temp_size_in_bytes),
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        aliased=int(stats.alias_size_in_bytes),
+    )
+    return {
+        "kind": "memory",
+        "per_device_batch": per_device[0],
+        "residual_activation_mib": (residuals.activations + residuals.inputs) / MIB,
+        "compiled_peak_mib": compiled.peak / MIB,
+        "compiled_temp_mib": compiled.temp / MIB,
+        "kept_block_fraction": kept_block_fraction(model, params, images),
+    }
+
+
+def device_peak_mib() -> float | None:
+    """Peak bytes in use on the first local device, where the backend reports it (GPU, TPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return stats["peak_bytes_in_use"] / MIB if stats and "peak_bytes_in_use" in stats else None
+
+
+class MetricsLog:
+    """Prints metric records and appends them to ``metrics.jsonl`` (process 0 only)."""
+
+    def __init__(self, workdir: str, keep_until_step: int | None):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.enabled = jax.process_index() == 0
+        if self.enabled:
+            # A resumed run rewrites what the interrupted one logged after its last checkpoint.
+            kept = []
+            if keep_until_step is not None and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if json.loads(line).get("step", 0) <= keep_until_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        tqdm.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+class StepTimer:
+    """Wall time of the ``steps`` counted since ``restart``."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+
+def train_record(interval: list[dict], timer: StepTimer, step: int, steps_per_epoch: int, batch_size: int) -> dict:
+    """Mean metrics of the steps since the last record; raises on a non-finite loss."""
+    values = jax.device_get(interval)
+    elapsed = time.perf_counter() - timer.start  # after device_get: every step has finished
+    losses = np.array([v["loss"] for v in values])
+    if not np.all(np.isfinite(losses)):
+        bad = step - len(values) + int(np.argmin(np.isfinite(losses))) + 1
+        raise FloatingPointError(f"loss became {losses[~np.isfinite(losses)][0]} at step {bad}")
+    record = {"kind": "train", "step": step, "epoch": step / steps_per_epoch}
+    record.update({k: float(np.mean([v[k] for v in values])) for k in values[0]})
+    if timer.steps:
+        record.update(step_time_s=elapsed / timer.steps, images_per_s=batch_size * timer.steps / elapsed)
+    peak = device_peak_mib()
+    if peak is not None:
+        record["device_peak_mib"] = peak
+    return record
