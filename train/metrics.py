@@ -55,13 +55,7 @@ def memory_report(model, loss_fn, compiled_step, state: dict[str, Any], batch_sh
     labels = jax.ShapeDtypeStruct(per_device[:1], jnp.int32)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state["params"])
     residuals = bsr_jax.residual_bytes(lambda p, x, y: loss_fn(p, {"image": x, "label": y})[0], params, images, labels)
-    stats = compiled_step.memory_analysis()
-    compiled = bsr_jax.CompiledMemory(
-        temp=int(stats.temp_size_in_bytes),
-        arguments=int(stats.argument_size_in_bytes),
-        outputs=int(stats.output_size_in_bytes),
-        aliased=int(stats.alias_size_in_bytes),
-    )
+    compiled = bsr_jax.CompiledMemory.of(compiled_step)
     return {
         "kind": "memory",
         "per_device_batch": per_device[0],
