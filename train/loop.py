@@ -159,7 +159,7 @@ class _StopRequest:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
-        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint and stopping after this step")
+        metrics.say(f"{signal.Signals(signum).name}: saving a checkpoint and stopping after this step")
 
 
 @contextlib.contextmanager
@@ -251,7 +251,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
             json.dump({"config": config.to_json(), "run": run}, f, indent=2)
     memory = metrics.memory_report(model, loss_fn, train_step, state, image_shape, mesh)
     log({"step": start_step, **memory})
-    tqdm.write(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
+    metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
 
     # ------------------------------------------------------------------ train
     result: dict[str, Any] = {"memory": memory}
@@ -296,6 +296,6 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     checkpoints.save(step, state)
     checkpoints.close()
     if stop.signal is not None:
-        tqdm.write(f"stopped by {signal.Signals(stop.signal).name} at step {step}; continue with --resume")
+        metrics.say(f"stopped by {signal.Signals(stop.signal).name} at step {step}; continue with --resume")
     result.update(step=step, stopped_by=stop.signal)
     return result

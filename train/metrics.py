@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -92,7 +93,13 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        tqdm.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+        say(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()))
+
+
+def say(text: str) -> None:
+    """Print a line above the progress bar, flushed at once (logs redirected to files stay current)."""
+    tqdm.write(text)
+    sys.stdout.flush()
 
 
 def _fmt(value: Any) -> str:
