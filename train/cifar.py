@@ -1,7 +1,7 @@
 """Train ResMLP on CIFAR-10/100 with block-sparse activation residuals.
 
 Example: python -m train.cifar --sparsity 0.7 --block 16 --data-dir ../shared/data/cifar10-jpg.tar.gz
-(the tiny preset: about 2 minutes per epoch on 2 CPU cores).
+(tiny preset: 2-3 minutes per epoch on 2 CPU cores; 1 epoch reaches ~40% test accuracy).
 """
 
 import sys
