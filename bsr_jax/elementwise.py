@@ -59,6 +59,7 @@ def bsr_scale_shift(
     criterion: Criterion = "l2",
     selection: Selection = "global",
     storage_dtype: StorageDtype | None = None,
+    stochastic: bool = False,
     key: jax.Array | None = None,
 ) -> jax.Array:
     """``x * scale + shift`` over the last axis, keeping only the largest blocks of x for ``dscale``.
@@ -67,13 +68,15 @@ def bsr_scale_shift(
       x: ``(..., K)`` floating input, flattened to ``(M, K)`` for pruning.
       scale: ``(K,)``, same dtype as x.
       shift: optional ``(K,)``.
-      sparsity, block, criterion, selection, storage_dtype, key: as in ``bsr_linear``.
+      sparsity, block, criterion, selection, storage_dtype, stochastic, key: as in ``bsr_linear``.
 
     Returns:
       ``(..., K)``, bit-identical to ``x * scale + shift``. ``dx`` and ``dshift`` are exact;
       ``dscale = sum_rows(mask(x) * dy)`` (f32 accumulation, cast to scale's dtype).
     """
-    pruning = Pruning(sparsity, block, criterion, selection, storage_dtype)
+    pruning = Pruning(sparsity, block, criterion, selection, storage_dtype, stochastic)
+    if key is not None and not stochastic:
+        raise ValueError("key is only used with stochastic=True")
     check_floating("x", x)
     if jnp.shape(scale) != (jnp.shape(x)[-1],) or jnp.result_type(scale) != jnp.result_type(x):
         raise ValueError(f"scale must be ({jnp.shape(x)[-1]},) of x's dtype, got {jnp.shape(scale)} {jnp.result_type(scale)}")

@@ -187,6 +187,7 @@ class Pruning:
     criterion: Criterion = "l2"
     selection: Selection = "global"
     storage_dtype: StorageDtype | None = None
+    stochastic: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sparsity", check_sparsity(self.sparsity))
@@ -199,10 +200,16 @@ class Pruning:
             raise ValueError(f"storage_dtype must be None or one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
 
     def compress(self, x: jax.Array, key: jax.Array | None = None) -> BlockSparse:
-        """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``; stochastic when ``key`` is given.
+        """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``, sampled with ``key`` if stochastic.
 
-        The arrays are named ``RESIDUAL_NAME`` for ``jax.checkpoint`` policies (``remat_policy``).
+        Runs in the backward pass's forward rule only, so a stochastic layer needs its key only when
+        it is differentiated. The arrays are named ``RESIDUAL_NAME`` for ``jax.checkpoint`` policies.
         """
+        if self.stochastic and key is None:
+            raise ValueError(
+                "stochastic pruning needs a PRNG key when differentiated: pass rngs={'pruning': key} to "
+                "the Flax module's apply, or key= to bsr_linear / bsr_scale_shift"
+            )
         blocks = from_dense(
             x.reshape(-1, x.shape[-1]),
             self.sparsity,
@@ -210,7 +217,7 @@ class Pruning:
             criterion=self.criterion,
             selection=self.selection,
             storage_dtype=self.storage_dtype,
-            key=key,
+            key=key if self.stochastic else None,
         )
         return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), blocks)
 

@@ -14,8 +14,10 @@ from bsr_jax.linear import bsr_linear
 
 
 def _pruning_key(module: nn.Module, stochastic: bool, sparsity: float) -> jax.Array | None:
-    # Drawn only when used, so deterministic layers need no "pruning" rng stream.
-    return module.make_rng("pruning") if stochastic and sparsity > 0 else None
+    # Drawn only where it exists: a forward-only apply (evaluation) needs no "pruning" stream, and
+    # differentiating a stochastic layer without one raises (see Pruning.compress).
+    use = stochastic and sparsity > 0 and module.has_rng("pruning")
+    return module.make_rng("pruning") if use else None
 
 
 class Dense(nn.Module):
@@ -33,7 +35,7 @@ class Dense(nn.Module):
       block: block shape ``(rows, cols)`` over the flattened ``(M, K)`` input, or an int.
       criterion, selection, storage_dtype, backend: see ``bsr_linear``.
       stochastic: sample blocks (unbiased dW) with keys from the ``"pruning"`` rng stream:
-        ``apply(..., rngs={"pruning": key})``.
+        ``apply(..., rngs={"pruning": key})`` when differentiating (evaluation needs none).
     """
 
     features: int
@@ -74,6 +76,7 @@ class Dense(nn.Module):
             criterion=self.criterion,
             selection=self.selection,
             storage_dtype=self.storage_dtype,
+            stochastic=self.stochastic,
             key=_pruning_key(self, self.stochastic, sparsity),
             backend=self.backend,
             precision=self.precision,
@@ -104,6 +107,7 @@ class _ScaleShift(nn.Module):
             criterion=self.criterion,
             selection=self.selection,
             storage_dtype=self.storage_dtype,
+            stochastic=self.stochastic,
             key=_pruning_key(self, self.stochastic, sparsity),
         )
 

@@ -63,6 +63,7 @@ def bsr_linear(
     criterion: Criterion = "l2",
     selection: Selection = "global",
     storage_dtype: StorageDtype | None = None,
+    stochastic: bool = False,
     key: jax.Array | None = None,
     backend: str | None = None,
     precision: lax.PrecisionLike = None,
@@ -82,7 +83,9 @@ def bsr_linear(
         same number per block-column (balanced kernel work).
       storage_dtype: store kept blocks as ``"bfloat16"``, ``"int8"`` or ``"float8_e4m3fn"`` (per-block
         scales), dequantized in the backward pass; ``None`` keeps x's dtype.
-      key: a PRNG key switches to stochastic, unbiased block sampling (see ``from_dense``).
+      stochastic: sample blocks with probability by magnitude and rescale them, so dW is unbiased
+        (see ``from_dense``); needs ``key`` when differentiated (the forward pass does not use it).
+      key: PRNG key of the stochastic sampling.
       backend: dW backend, ``"xla"``, ``"pallas"`` or ``"reference"``; ``None`` picks
         ``$BSR_JAX_BACKEND`` or the platform default (see ``bsr_jax.backends``).
       precision: passed to ``lax.dot_general`` for y and dx.
@@ -93,7 +96,9 @@ def bsr_linear(
       dtype; with ``storage_dtype``, the kept blocks are rounded; with ``key``, rescaled so that
       dW is unbiased). Under ``vmap`` each mapped instance is pruned on its own.
     """
-    pruning = Pruning(sparsity, block, criterion, selection, storage_dtype)
+    pruning = Pruning(sparsity, block, criterion, selection, storage_dtype, stochastic)
+    if key is not None and not stochastic:
+        raise ValueError("key is only used with stochastic=True")
     check_floating("x", x)
     check_floating("w", w)
     if jnp.ndim(x) < 1 or jnp.ndim(w) != 2 or jnp.shape(x)[-1] != jnp.shape(w)[0]:

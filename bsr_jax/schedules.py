@@ -26,17 +26,20 @@ SparsityRules = tuple[tuple[str, float], ...]
 PRUNABLE_LAYERS = (Dense, Affine, LayerScale)
 
 
-def warmup_sparsity(step: int, *, target: float, warmup_steps: int, levels: int = 4) -> float:
-    """Sparsity at ``step``: 0 until ``warmup_steps / levels``, then ``levels`` equal stairs up to
-    ``target``, reached at ``warmup_steps`` and kept after. ``levels + 1`` distinct values in all.
-    """
-    check_sparsity(target)
+def warmup_fraction(step: int, *, warmup_steps: int, levels: int = 4) -> float:
+    """Fraction of the target sparsity at ``step``: 0 until ``warmup_steps / levels``, then
+    ``levels`` equal stairs up to 1, reached at ``warmup_steps`` and kept after."""
     if warmup_steps < 0 or levels < 1:
         raise ValueError(f"warmup_steps must be >= 0 and levels >= 1, got {warmup_steps} and {levels}")
     if step >= warmup_steps:
-        return target
-    stair = math.floor(levels * step / warmup_steps)
-    return round(target * stair / levels, 6)
+        return 1.0
+    return math.floor(levels * step / warmup_steps) / levels
+
+
+def warmup_sparsity(step: int, *, target: float, warmup_steps: int, levels: int = 4) -> float:
+    """Sparsity at ``step``: ``target`` times ``warmup_fraction``; ``levels + 1`` distinct values."""
+    check_sparsity(target)
+    return round(target * warmup_fraction(step, warmup_steps=warmup_steps, levels=levels), 6)
 
 
 def scale_rules(rules: SparsityRules, fraction: float) -> SparsityRules:

@@ -1,7 +1,6 @@
 """Low-precision kept blocks and stochastic (unbiased) block sampling."""
 
 import chex
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +73,7 @@ def test_stochastic_with_all_blocks_kept_is_exact():
 
 def test_stochastic_dw_is_unbiased_through_bsr_linear():
     x, w = _x((64, 32), seed=3), jax.random.normal(jax.random.key(4), (32, 16))
-    loss = lambda w, key: jnp.sum(jnp.sin(bsr_jax.bsr_linear(x, w, sparsity=0.7, block=8, key=key)))
+    loss = lambda w, key: jnp.sum(jnp.sin(bsr_jax.bsr_linear(x, w, sparsity=0.7, block=8, stochastic=True, key=key)))
     grads = jax.jit(jax.vmap(jax.grad(loss), (None, 0)))(w, jax.random.split(jax.random.key(5), 3000))
     dense = jax.grad(lambda w: jnp.sum(jnp.sin(x @ w)))(w)
     assert float(jnp.linalg.norm(grads.mean(0) - dense) / jnp.linalg.norm(dense)) < 0.05
@@ -98,8 +97,11 @@ def test_dense_stochastic_uses_the_pruning_rng_stream():
     grad = lambda seed: jax.grad(lambda p: jnp.sum(layer.apply(p, x, rngs={"pruning": jax.random.key(seed)}) ** 2))(params)
     chex.assert_trees_all_equal(grad(1), grad(1))
     assert not jnp.allclose(grad(1)["params"]["kernel"], grad(2)["params"]["kernel"])
-    with pytest.raises(flax.errors.InvalidRngError):
+    chex.assert_trees_all_equal(layer.apply(params, x), x @ params["params"]["kernel"])  # forward needs no key
+    with pytest.raises(ValueError, match="stochastic pruning needs a PRNG key"):
         jax.grad(lambda p: jnp.sum(layer.apply(p, x)))(params)
+    with pytest.raises(ValueError, match="key is only used with stochastic=True"):
+        bsr_jax.bsr_linear(x, params["params"]["kernel"], sparsity=0.5, key=jax.random.key(0))
 
 
 def test_affine_int8_storage_and_stochastic():
