@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from bsr_jax.format import STORAGE_DTYPES
 from train.models import PRESETS
 
 DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
@@ -50,6 +51,10 @@ class TrainConfig:
     sparse_stem: bool = False
     sparse_head: bool = False
     prune_scale_shift: bool = False
+    storage_dtype: Literal["bfloat16", "int8", "float8_e4m3fn"] | None = None
+    stochastic: bool = False
+    sparsity_warmup_epochs: float = 0.0
+    layer_sparsity: tuple[tuple[str, float], ...] = ()
     # Optimisation.
     optimizer: Literal["adamw", "lamb"] = "adamw"
     lr: float = 1e-3
@@ -76,6 +81,9 @@ class TrainConfig:
             "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
             "optimizer": (self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
             "sparsity": (0.0 <= self.sparsity < 1.0, "in [0, 1)"),
+            "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
+            "sparsity_warmup_epochs": (self.sparsity_warmup_epochs >= 0, ">= 0"),
+            "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
             "image_size": (self.image_size >= 1 and self.image_size % self.patch_size == 0, "a multiple of patch_size"),
             "epochs": (self.epochs >= 1, ">= 1"),
             "batch_size": (self.batch_size >= 1, ">= 1"),
@@ -94,7 +102,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        fields = dataclasses.asdict(self)
+        fields["layer_sparsity"] = [list(rule) for rule in self.layer_sparsity]
+        return fields
 
 
 CIFAR_DEFAULTS = TrainConfig()
@@ -135,6 +145,12 @@ _HELP = {
     "sparse_stem": "also prune the patch embedding's input",
     "sparse_head": "also prune the classifier's input",
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
+    "storage_dtype": "store kept blocks in lower precision (per-block scales for int8/float8), dequantized in backward",
+    "stochastic": "sample kept blocks with probability by magnitude and rescale them (unbiased weight gradients)",
+    "sparsity_warmup_epochs": "ramp every layer's sparsity from 0 to its target over this many epochs, in 4 stairs",
+    "layer_sparsity": "PATTERN=VALUE, repeatable: layers whose module path matches PATTERN (fnmatch, e.g. "
+    "'block*/fc2' or 'block0/*') use sparsity VALUE; first match wins; applies to every bsr_jax layer, "
+    "Affine/LayerScale/stem/head included",
     "optimizer": "optimizer (decoupled weight decay on kernels only)",
     "lr": "peak learning rate",
     "min_lr": "final learning rate of the cosine decay",
@@ -169,10 +185,15 @@ def build_parser(
         "optimizer": OPTIMIZERS,
         "criterion": ("l2", "l1"),
         "selection": ("global", "column"),
+        "storage_dtype": STORAGE_DTYPES,
     }
+    parser.add_argument("--layer-sparsity", type=_layer_rule, action="append", default=list(defaults.layer_sparsity),
+                        metavar="PATTERN=VALUE", help=_HELP["layer_sparsity"])
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
+        if field.name == "layer_sparsity":
+            continue
         if field.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[field.name])
             continue
@@ -181,9 +202,22 @@ def build_parser(
     return parser
 
 
+def _layer_rule(text: str) -> tuple[str, float]:
+    pattern, sep, value = text.rpartition("=")
+    try:
+        sparsity = float(value)
+    except ValueError:
+        sparsity = None
+    if not sep or not pattern or sparsity is None:
+        raise argparse.ArgumentTypeError(f"expected PATTERN=VALUE (e.g. 'block*/fc2=0.9'), got {text!r}")
+    return pattern, sparsity
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The ``TrainConfig`` of parsed flags; invalid values raise ``ValueError`` naming the flag's field."""
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    values["layer_sparsity"] = tuple(values["layer_sparsity"])
+    return TrainConfig(**values)
 
 
 def parse(

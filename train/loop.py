@@ -37,6 +37,7 @@ from tqdm import tqdm
 from train import data, metrics, sharding
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
+from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
 from train.models import PRESETS, ResMLP, dense_def, scale_shift_defs
 
 State = dict[str, Any]  # {"step": int32 (), "params": pytree, "opt_state": pytree}
@@ -45,11 +46,19 @@ State = dict[str, Any]  # {"step": int32 (), "params": pytree, "opt_state": pytr
 # ----------------------------------------------------------------------------- model & optimizer
 
 
-def create_model(config: TrainConfig, num_classes: int) -> ResMLP:
-    """The ResMLP of ``config``: blocks' linears pruned at ``config.sparsity``, stem/head optionally."""
+def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> ResMLP:
+    """The ResMLP of ``config``: blocks' linears pruned at ``level * config.sparsity`` (``level``
+    follows the sparsity warmup), stem/head and Affine/LayerScale optionally."""
     preset = dict(PRESETS[config.model])
     preset.update({k: v for k, v in (("dim", config.dim), ("depth", config.depth)) if v is not None})
-    pruning = dict(sparsity=config.sparsity, block=config.block, criterion=config.criterion, selection=config.selection)
+    pruning = dict(
+        sparsity=round(config.sparsity * level, 6),
+        block=config.block,
+        criterion=config.criterion,
+        selection=config.selection,
+        storage_dtype=config.storage_dtype,
+        stochastic=config.stochastic,
+    )
     dense, plain = dense_def(**pruning, backend=config.backend), dense_def(backend=config.backend)
     affine, layerscale = scale_shift_defs(**pruning) if config.prune_scale_shift else scale_shift_defs()
     return ResMLP(
@@ -83,11 +92,16 @@ def create_optimizer(config: TrainConfig, schedule: optax.Schedule) -> optax.Gra
     return optax.adamw(schedule, weight_decay=config.weight_decay, mask=decay_mask)
 
 
-def loss_function(model: nn.Module, num_classes: int, label_smoothing: float):
-    """``(params, batch) -> (mean smoothed cross-entropy, {"accuracy"})`` over the batch."""
+def loss_function(model: nn.Module, num_classes: int, label_smoothing: float, rules: SparsityRules = ()):
+    """``(params, batch, rng=None) -> (mean smoothed cross-entropy, {"accuracy"})`` over the batch.
 
-    def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch["image"])
+    ``rules`` are per-layer sparsities (``bsr_jax.schedules.layer_sparsity``); ``rng`` feeds the
+    ``"pruning"`` stream of stochastic layers.
+    """
+
+    def loss_fn(params, batch, rng=None):
+        with layer_sparsity(rules):
+            logits = model.apply({"params": params}, batch["image"], rngs=None if rng is None else {"pruning": rng})
         targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], num_classes), label_smoothing)
         loss = optax.softmax_cross_entropy(logits, targets).mean()
         return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
@@ -108,12 +122,17 @@ def create_state(model: nn.Module, tx: optax.GradientTransformation, image_shape
     return jax.jit(init, out_shardings=sharding.replicated(mesh))()
 
 
-def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh):
-    """Jitted ``(state, batch) -> (state, metrics)``; the state is donated, the batch is sharded."""
+def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule: optax.Schedule, mesh, rng_seed: int | None = None):
+    """Jitted ``(state, batch) -> (state, metrics)``; the state is donated, the batch is sharded.
+
+    With ``rng_seed``, step ``t`` draws its pruning randomness from ``fold_in(key(rng_seed), t)``,
+    so a resumed run draws what the uninterrupted one would have.
+    """
     grad_fn = sharding.data_parallel_grad(loss_fn, mesh)
 
     def step(state, batch):
-        (loss, aux), grads = grad_fn(state["params"], batch)
+        rng = None if rng_seed is None else jax.random.fold_in(jax.random.key(rng_seed), state["step"])
+        (loss, aux), grads = grad_fn(state["params"], batch, rng)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         reported = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
@@ -222,7 +241,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     model = create_model(config, train_data.num_classes)
     schedule = learning_rate_schedule(config, steps_per_epoch)
     tx = create_optimizer(config, schedule)
-    loss_fn = loss_function(model, train_data.num_classes, config.label_smoothing)
+    loss_fn = loss_function(model, train_data.num_classes, config.label_smoothing, config.layer_sparsity)
     image_shape = (config.batch_size, config.image_size, config.image_size, 3)
     state = create_state(model, tx, image_shape, config.seed, mesh)
     if config.resume and checkpoints.latest_step() is not None:
@@ -233,8 +252,18 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         "image": jax.ShapeDtypeStruct(image_shape, jnp.float32, sharding=sharding.batch_sharding(mesh)),
         "label": jax.ShapeDtypeStruct(image_shape[:1], jnp.int32, sharding=sharding.batch_sharding(mesh)),
     }
-    # Compiled once here; the same executable runs every step and reports its memory.
-    train_step = make_train_step(loss_fn, tx, schedule, mesh).lower(state, batch_struct).compile()
+    rng_seed = config.seed if config.stochastic else None
+    warmup_steps = round(config.sparsity_warmup_epochs * steps_per_epoch)
+
+    def compile_step(level: float):
+        level_model = create_model(config, train_data.num_classes, level)
+        rules = scale_rules(config.layer_sparsity, level)
+        level_loss = loss_function(level_model, train_data.num_classes, config.label_smoothing, rules)
+        return make_train_step(level_loss, tx, schedule, mesh, rng_seed).lower(state, batch_struct).compile()
+
+    # One executable per sparsity level (a single one without warmup), compiled on first use; the
+    # full-sparsity one is compiled here and reports the memory of the run's steady state.
+    train_steps = {1.0: compile_step(1.0)}
     eval_step = make_eval_step(model, mesh)
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     if jax.process_index() == 0:
@@ -249,7 +278,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         )
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump({"config": config.to_json(), "run": run}, f, indent=2)
-    memory = metrics.memory_report(model, loss_fn, train_step, state, image_shape, mesh)
+    memory = metrics.memory_report(model, loss_fn, train_steps[1.0], state, image_shape, mesh)
     log({"step": start_step, **memory})
     metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
 
@@ -267,7 +296,10 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
             )  # fmt: skip
             batches = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
             for batch in batches:
-                state, step_metrics = train_step(state, batch)
+                level = warmup_fraction(step, warmup_steps=warmup_steps)
+                if level not in train_steps:
+                    train_steps[level] = compile_step(level)
+                state, step_metrics = train_steps[level](state, batch)
                 step += 1
                 interval.append(step_metrics)
                 bar.update(1)

@@ -55,7 +55,8 @@ def memory_report(model, loss_fn, compiled_step, state: dict[str, Any], batch_sh
     images = jax.ShapeDtypeStruct(per_device, jnp.float32)
     labels = jax.ShapeDtypeStruct(per_device[:1], jnp.int32)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state["params"])
-    residuals = bsr_jax.residual_bytes(lambda p, x, y: loss_fn(p, {"image": x, "label": y})[0], params, images, labels)
+    rng = jax.random.key(0)  # for stochastic pruning; the residuals' shapes do not depend on it
+    residuals = bsr_jax.residual_bytes(lambda p, x, y: loss_fn(p, {"image": x, "label": y}, rng)[0], params, images, labels)
     compiled = bsr_jax.CompiledMemory.of(compiled_step)
     return {
         "kind": "memory",

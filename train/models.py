@@ -41,23 +41,45 @@ def dense_def(
     block: bsr_jax.format.BlockSpec = 16,
     criterion: str = "l2",
     selection: str = "global",
+    storage_dtype: str | None = None,
+    stochastic: bool = False,
     backend: str | None = None,
 ) -> ModuleDef:
     """A ``bsr_jax.Dense`` constructor carrying the pruning settings, for ``ResMLP(dense=...)``."""
     return functools.partial(
-        bsr_jax.Dense, sparsity=sparsity, block=block, criterion=criterion, selection=selection, backend=backend
+        bsr_jax.Dense,
+        sparsity=sparsity,
+        block=block,
+        criterion=criterion,
+        selection=selection,
+        storage_dtype=storage_dtype,
+        stochastic=stochastic,
+        backend=backend,
     )
 
 
 def scale_shift_defs(
-    *, sparsity: float = 0.0, block: bsr_jax.format.BlockSpec = 16, criterion: str = "l2", selection: str = "global"
+    *,
+    sparsity: float = 0.0,
+    block: bsr_jax.format.BlockSpec = 16,
+    criterion: str = "l2",
+    selection: str = "global",
+    storage_dtype: str | None = None,
+    stochastic: bool = False,
 ) -> tuple[ModuleDef, ModuleDef]:
     """``(affine, layerscale)`` constructors whose scale gradients see only the largest input blocks.
 
     Their input and shift gradients stay exact (see ``bsr_jax.bsr_scale_shift``); sparsity 0 is
     the plain ``alpha * x + beta`` and ``scale * x``.
     """
-    options = dict(sparsity=sparsity, block=block, criterion=criterion, selection=selection)
+    options = dict(
+        sparsity=sparsity,
+        block=block,
+        criterion=criterion,
+        selection=selection,
+        storage_dtype=storage_dtype,
+        stochastic=stochastic,
+    )
     return functools.partial(bsr_jax.Affine, **options), functools.partial(bsr_jax.LayerScale, **options)
 
 

@@ -62,22 +62,27 @@ def local_rows(batch: Any) -> Any:
 
 
 def data_parallel_grad(
-    loss_fn: Callable[[Any, Any], tuple[jax.Array, Any]], mesh: Mesh
-) -> Callable[[Any, Any], tuple[tuple[jax.Array, Any], Any]]:
-    """``(params, batch) -> ((loss, aux), grads)`` averaged over the shards of ``batch``.
+    loss_fn: Callable[..., tuple[jax.Array, Any]], mesh: Mesh
+) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
+    """``(params, batch, rng=None) -> ((loss, aux), grads)`` averaged over the shards of ``batch``.
 
-    ``loss_fn(params, batch) -> (loss, aux)`` is a mean over its batch; ``aux`` a pytree of scalar
-    means. Each device differentiates it on its local shard (see the module docstring for the
-    pruning semantics); losses, aux and grads are ``pmean``-ed, so all outputs are replicated.
+    ``loss_fn(params, batch, rng) -> (loss, aux)`` is a mean over its batch; ``aux`` a pytree of
+    scalar means. Each device differentiates it on its local shard (see the module docstring for
+    the pruning semantics), with ``rng`` (if given) folded with the device's index so stochastic
+    pruning draws independently per shard; losses, aux and grads are ``pmean``-ed, so all outputs
+    are replicated.
     """
 
-    def local(params, batch):
+    def local(params, batch, rng):
+        if rng is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
         # Mark the replicated params as per-device values, so their gradients stay per-shard
         # (rather than being summed implicitly by the transpose of the broadcast) and the one
         # reduction is the explicit pmean below.
         params = jax.lax.pcast(params, DATA_AXIS, to="varying")
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
         return jax.lax.pmean(((loss, aux), grads), DATA_AXIS)
 
     spec = PartitionSpec(DATA_AXIS)
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), spec), out_specs=PartitionSpec())
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), spec, PartitionSpec()), out_specs=PartitionSpec())
+    return lambda params, batch, rng=None: mapped(params, batch, rng)

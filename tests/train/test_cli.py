@@ -55,6 +55,32 @@ def test_flags_become_the_frozen_config():
         config.sparsity = 0.5
 
 
+def test_pruning_extension_flags():
+    config, _ = config_lib.parse(
+        "train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS,
+        ["--sparsity", "0.7", "--storage-dtype", "int8", "--stochastic", "--sparsity-warmup-epochs", "2",
+         "--layer-sparsity", "block0/*=0", "--layer-sparsity", "*/fc2=0.9", "--prune-scale-shift"],
+    )  # fmt: skip
+    assert config.storage_dtype == "int8" and config.stochastic and config.sparsity_warmup_epochs == 2.0
+    assert config.layer_sparsity == (("block0/*", 0.0), ("*/fc2", 0.9)) and config.prune_scale_shift
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--layer-sparsity", "fc2"], "expected PATTERN=VALUE"),
+        (["--layer-sparsity", "*/fc2=x"], "expected PATTERN=VALUE"),
+        (["--layer-sparsity", "*/fc2=1.0"], "layer_sparsity must be PATTERN=VALUE rules with VALUE in [0, 1)"),
+        (["--storage-dtype", "int4"], "argument --storage-dtype: invalid choice: 'int4'"),
+    ],
+)
+def test_bad_pruning_extension_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bad_flag_values_exit_with_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, ["--sparsity", "1.5"])

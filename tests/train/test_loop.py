@@ -109,12 +109,18 @@ def _state_like():
     return jax.eval_shape(lambda: loop.create_state(model, tx, (16, 8, 8, 3), 0, sharding.make_mesh()))
 
 
-def test_resume_continues_bit_for_bit(generated_data, tmp_path):
+# The second case resumes in the middle of a sparsity warmup, with stochastic int8 blocks.
+@pytest.mark.parametrize(
+    "pruning",
+    [{}, dict(sparsity=0.5, block=4, stochastic=True, storage_dtype="int8", sparsity_warmup_epochs=1.0)],
+    ids=["dense", "stochastic-warmup"],
+)
+def test_resume_continues_bit_for_bit(generated_data, tmp_path, pruning):
     # 2 epochs of 4 steps; the interrupted run stops mid-epoch, so resuming needs epoch and batch.
-    full = loop.train_and_evaluate(config(log_every=1), str(tmp_path / "full"))
-    first = loop.train_and_evaluate(config(steps=3, log_every=1), str(tmp_path / "split"))
+    full = loop.train_and_evaluate(config(log_every=1, **pruning), str(tmp_path / "full"))
+    first = loop.train_and_evaluate(config(steps=3, log_every=1, **pruning), str(tmp_path / "split"))
     assert first["step"] == 3 and first["stopped_by"] is None
-    second = loop.train_and_evaluate(config(resume=True, log_every=1), str(tmp_path / "split"))
+    second = loop.train_and_evaluate(config(resume=True, log_every=1, **pruning), str(tmp_path / "split"))
     assert full["step"] == second["step"] == 8
     step_full, params_full = final_params(tmp_path / "full")
     step_split, params_split = final_params(tmp_path / "split")
@@ -125,6 +131,16 @@ def test_resume_continues_bit_for_bit(generated_data, tmp_path):
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("step_time_s", "images_per_s")} for r in rs if r["kind"] != "memory"]
     records_split = read_jsonl(tmp_path / "split" / "metrics.jsonl")
     assert [r for r in strip(records_split) if r["step"] > 3] == [r for r in strip(read_jsonl(tmp_path / "full" / "metrics.jsonl")) if r["step"] > 3]
+
+
+def test_layer_sparsity_rules_reach_only_matching_layers():
+    model = loop.create_model(config(), num_classes=4)
+    batch = {"image": jnp.asarray(learnable_split(16, 0).images, jnp.float32) / 255, "label": jnp.arange(16) % 4}
+    params = model.init(jax.random.key(0), batch["image"])["params"]
+    grads = lambda rules: jax.grad(lambda p: loop.loss_function(model, 4, 0.0, rules)(p, batch)[0])(params)
+    plain, ruled = grads(()), grads((("block0/fc1", 0.75),))
+    chex.assert_trees_all_equal(ruled["block0"]["fc2"], plain["block0"]["fc2"])
+    assert not jnp.allclose(ruled["block0"]["fc1"]["kernel"], plain["block0"]["fc1"]["kernel"])
 
 
 def test_sigterm_checkpoints_and_stops(generated_data, tmp_path, monkeypatch):
