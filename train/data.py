@@ -400,3 +400,6 @@ def prefetch(
             yield item
     finally:
         stop.set()
+        # Joined, not left to die as a daemon: a thread still inside XLA when the interpreter
+        # exits aborts the process ("terminate called ... FATAL: exception not rethrown").
+        thread.join()
