@@ -1,0 +1,24 @@
+"""Block-sparse matmul kernels in Pallas (GPU via Triton), each beside a pure jax.numpy reference.
+
+Kernels take plain arrays: kept blocks ``values (cap, bm, bk)`` plus int32 index arrays (see
+``pallas_kernels.layout``). On CUDA/ROCm they compile with Triton; elsewhere they run in the
+Pallas interpreter (slow; for tests).
+"""
+
+from pallas_kernels.bsr_matmul import bsr_matmul, bsr_matmul_reference
+from pallas_kernels.bsr_t_matmul import bsr_t_matmul, bsr_t_matmul_reference
+from pallas_kernels.layout import column_to_row_major, ids_from_ptr, ptr_from_ids
+from pallas_kernels.tiling import TILE_CONFIGS, TileConfig, tile_config_for
+
+__all__ = [
+    "TILE_CONFIGS",
+    "TileConfig",
+    "bsr_matmul",
+    "bsr_matmul_reference",
+    "bsr_t_matmul",
+    "bsr_t_matmul_reference",
+    "column_to_row_major",
+    "ids_from_ptr",
+    "ptr_from_ids",
+    "tile_config_for",
+]
