@@ -9,7 +9,13 @@ import pytest
 from block_cases import dense_operand, kept_blocks, random_mask
 from numerics import assert_close_scaled
 
-from pallas_kernels import TileConfig, bsr_matmul, bsr_matmul_reference, column_to_row_major, ids_from_ptr
+from pallas_kernels import (
+    TileConfig,
+    bsr_matmul,
+    bsr_matmul_reference,
+    column_to_row_major,
+    ids_from_ptr,
+)
 
 EMPTY_ROW = np.array([[1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0]], bool)
 CASES = {

@@ -93,7 +93,7 @@ def test_mismatched_dtypes_and_index_lengths_raise():
 
 
 @pytest.mark.parametrize(
-    "kwargs,match", [(dict(bn=24), "bn must be a power of two"), (dict(bn=8), "bn"), (dict(num_warps=3), "num_warps"), (dict(num_stages=0), "num_stages")]
+    "kwargs,match", [({"bn": 24}, "bn must be a power of two"), ({"bn": 8}, "bn"), ({"num_warps": 3}, "num_warps"), ({"num_stages": 0}, "num_stages")]
 )
 def test_tile_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):

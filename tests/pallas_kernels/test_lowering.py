@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from pallas_kernels import TILE_CONFIGS, TileConfig, bsr_matmul, bsr_t_matmul, tile_config_for
+from pallas_kernels import (
+    TILE_CONFIGS,
+    TileConfig,
+    bsr_matmul,
+    bsr_t_matmul,
+    tile_config_for,
+)
 
 TRITON_CALL = "xla.gpu.triton"
 NUM_BLOCKS, CAPACITY = 3, 4  # the block grid is NUM_BLOCKS x NUM_BLOCKS with CAPACITY kept blocks
@@ -38,7 +44,7 @@ def _launch_params(kernel, block, dtype, n, **kwargs) -> dict[str, int]:
 def test_every_tile_config_lowers_for_cuda(kernel, side, dtype):
     config = TILE_CONFIGS[side, dtype]
     params = _launch_params(kernel, (side, side), jnp.dtype(dtype), 2 * config.bn)
-    assert params == dict(grid_x=NUM_BLOCKS, grid_y=2, num_stages=config.num_stages, num_warps=config.num_warps)
+    assert params == {"grid_x": NUM_BLOCKS, "grid_y": 2, "num_stages": config.num_stages, "num_warps": config.num_warps}
 
 
 @pytest.mark.parametrize("kernel", [bsr_t_matmul, bsr_matmul], ids=lambda k: k.__name__)
@@ -51,7 +57,7 @@ def test_non_square_blocks_lower_for_cuda(kernel, block):
 def test_float16_full_precision_and_overridden_config_lower_for_cuda():
     config = TileConfig(bn=32, num_warps=2, num_stages=4)
     params = _launch_params(bsr_t_matmul, (16, 16), jnp.float16, 100, config=config)
-    assert params == dict(grid_x=NUM_BLOCKS, grid_y=4, num_stages=4, num_warps=2)
+    assert params == {"grid_x": NUM_BLOCKS, "grid_y": 4, "num_stages": 4, "num_warps": 2}
     _launch_params(bsr_t_matmul, (32, 32), jnp.float32, 64, precision=lax.Precision.HIGHEST)
 
 
