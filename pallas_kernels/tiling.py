@@ -87,7 +87,7 @@ def check_values(values: jax.Array, dense: jax.Array, dense_name: str) -> tuple[
         if side not in SUPPORTED_BLOCK_SIDES:
             raise ValueError(
                 f"block sides must be powers of two in {SUPPORTED_BLOCK_SIDES} (Triton tiles are powers of two), "
-                f"got block {block}; pad the block to the next power of two"
+                f"got block {block}; zero-pad other sides up to the next supported one"
             )
     if values.dtype.name not in SUPPORTED_DTYPES or dense.dtype != values.dtype:
         raise ValueError(
