@@ -103,7 +103,6 @@ def residual_bytes(fn: Callable[..., Any], params: Any, *args: Any) -> ResidualB
                 continue
             seen.add(id(leaf))
             found.append(Residual(tuple(leaf.shape), str(leaf.dtype), kinds.get(id(leaf), "activations")))
-        return None
 
     jax.eval_shape(traced, params, *args)
     totals = {k: sum(r.nbytes for r in found if r.kind == k) for k in ("params", "inputs", "activations")}
