@@ -24,7 +24,9 @@ int16 whenever ``Mb`` fits (at block 4 an int32 row and column id per block woul
 the 64 values of an f32 block; int16 rows alone add 3%). Kernels read the int32 views
 ``row_ids`` and ``col_ids`` (derived from ``col_ptr``), computed in the backward pass.
 
-Static metadata (``shape``, ``block``, ``dense_dtype``) is pytree aux data, so jit specialises on it.
+Static metadata (``shape``, ``block``, ``dense_dtype``, and ``column_count``: the number of blocks
+every block-column keeps when ``selection="column"``, else None) is pytree aux data, so jit
+specialises on it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class BlockSparse:
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     scales: jax.Array | None = None
     dense_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    column_count: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def capacity(self) -> int:
@@ -331,4 +334,5 @@ def from_dense(
         block=block,
         scales=scales,
         dense_dtype=jnp.dtype(x.dtype).name,
+        column_count=capacity // kb if selection == "column" else None,
     )

@@ -107,8 +107,11 @@ def test_transformations_jit_vmap_scan_checkpoint_value_and_grad():
 def test_nan_in_activations_reaches_dw_not_crash():
     x, w, b = _inputs((32, 32), 8, jnp.float32)
     x = x.at[3, 3].set(jnp.nan)
-    dw = jax.jit(jax.grad(lambda w: _loss_of_y(bsr_linear(x, w, b, sparsity=0.9, block=16))))(w)
-    assert jnp.all(jnp.isnan(dw[:16])) and not jnp.any(jnp.isnan(dw[16:]))
+    # A linear loss keeps dy finite, so only the NaN input element can reach dW: it ranks first, its
+    # block is the one kept, and it poisons exactly the dW row of its input column.
+    loss = lambda w: jnp.sum(bsr_linear(x, w, b, sparsity=0.9, block=16) * jnp.linspace(-1.0, 1.0, 8))
+    dw = jax.jit(jax.grad(loss))(w)
+    assert jnp.all(jnp.isnan(dw[3])) and not jnp.any(jnp.isnan(jnp.delete(dw, 3, axis=0)))
 
 
 @pytest.mark.parametrize(
@@ -144,3 +147,15 @@ def test_backend_environment_variable(monkeypatch):
     monkeypatch.setenv(backends.ENV_VAR, "nope")
     with pytest.raises(ValueError, match="backend"):
         backends.resolve_backend(None)
+
+
+@pytest.mark.parametrize("gather_bytes", [1, 3 * 8 * 24 * 4, 1 << 30])  # one column, groups of 3 of 6, all
+def test_xla_column_path_matches_reference_in_column_groups(monkeypatch, gather_bytes):
+    from bsr_jax import xla_backend
+
+    monkeypatch.setattr(xla_backend, "GATHER_BYTES", gather_bytes)
+    x, _, _ = _inputs((37, 45), 24, jnp.float32)
+    dy = bf16_exact_normal(jax.random.key(3), (40, 24))
+    bsr = from_dense(x, 0.5, 8, selection="column")
+    assert bsr.column_count == 3
+    chex.assert_trees_all_close(xla_backend.xla_dw(bsr, dy), backends.reference_dw(bsr, dy), atol=1e-5, rtol=1e-5)
