@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import platform
-import subprocess
 import sys
 from collections.abc import Callable
 
@@ -39,10 +36,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import bsr_jax  # noqa: E402
 from bsr_jax.memory import MIB  # noqa: E402
+from run_info import run_metadata  # noqa: E402
 
 
 class MLPBlock(nn.Module):
@@ -239,16 +237,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = run(args)
     print_table(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(
-        command=" ".join(["python"] + sys.argv),
-        commit=commit,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        machine=f"{platform.node()} {platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
-        jax=jax.__version__,
-        backend=jax.default_backend(),
-        device=jax.devices()[0].device_kind,
-    )
+    meta = run_metadata()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -1,0 +1,24 @@
+"""What every benchmark records next to its numbers: command, commit, machine, device, date."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+
+
+def run_metadata() -> dict[str, str]:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return dict(
+        command=" ".join(["python"] + sys.argv),
+        commit=commit,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=f"{platform.node()} {platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        device=jax.devices()[0].device_kind,
+    )
