@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from bsr_jax.format import BlockSparse
 
-GATHER_BYTES = 32 << 20
+GATHER_BYTES = 8 << 20
 
 
 def _column_batched_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
