@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default: %(default)s)")
     parser.add_argument("--out", help="JSON path (default: benchmarks/results/kernels-<device>.json)")
     args = parser.parse_args()
+    meta = run_metadata()
     device = jax.devices()[0].device_kind
     if jax.default_backend() != "gpu":
         print(f"# {jax.default_backend()}: pallas backend skipped (compiled kernels need a GPU)", file=sys.stderr)
@@ -120,7 +121,7 @@ def main() -> None:
     out = args.out or f"benchmarks/results/kernels-{device.replace(' ', '_')}.json"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(meta=run_metadata(), rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"wrote {out}", file=sys.stderr)
 
 

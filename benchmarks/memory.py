@@ -235,9 +235,9 @@ def main() -> None:
                              "dense, remat and sparsity 0.7 block 16 (default: %(default)s)")
     parser.add_argument("--out", default="benchmarks/results/memory.json", help="JSON output path (default: %(default)s)")
     args = parser.parse_args()
+    meta = run_metadata()
     rows = run(args)
     print_table(rows)
-    meta = run_metadata()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -12,7 +12,10 @@ import jax
 
 
 def run_metadata() -> dict[str, str]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    """Call it when the run starts: the commit is the code that was imported, with ``+dirty`` when
+    tracked files had uncommitted changes."""
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     return dict(
         command=" ".join(["python"] + sys.argv),
         commit=commit,
