@@ -17,6 +17,9 @@ Reported:
   secondary figure on CPU: see docs/memory.md).
 
 The ``remat`` row wraps every block in ``jax.checkpoint`` (dense layers): the usual alternative.
+The ``policy`` rows (mode ``policy``) combine both: linear inputs pruned, every block under
+``jax.checkpoint(policy=bsr_jax.remat_policy())``, which keeps the block-sparse residuals and
+matmul outputs and recomputes the elementwise ops.
 
     python benchmarks/memory.py                     # all models, full grid, table + JSON
     python benchmarks/memory.py --models mlp --compile none
@@ -60,10 +63,11 @@ class DenseStack(nn.Module):
     depth: int
     hidden: int
     remat: bool = False
+    remat_policy: Callable[..., bool] | None = None
 
     @nn.compact
     def __call__(self, x):  # no Affine/LayerScale: modes "linear" and "all" coincide
-        block = nn.remat(MLPBlock) if self.remat else MLPBlock
+        block = nn.remat(MLPBlock, policy=self.remat_policy) if self.remat else MLPBlock
         for _ in range(self.depth):
             x = block(self.dense, self.hidden)(x)
         return x
@@ -72,14 +76,14 @@ class DenseStack(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class ModelCase:
     name: str
-    build: Callable[..., nn.Module]  # (dense, scale_shift, remat) -> module
+    build: Callable[..., nn.Module]  # (dense, scale_shift, remat, remat_policy) -> module
     input_shape: tuple[int, ...]
 
 
 def _resmlp_case(name: str, preset: str, image_size: int, patch: int, batch: int) -> ModelCase:
     from train import models  # benchmarks may use the training suite; bsr_jax itself does not
 
-    def build(dense, scale_shift, remat):
+    def build(dense, scale_shift, remat, remat_policy):
         affine, layerscale = scale_shift
         return models.ResMLP(
             num_classes=1000,
@@ -88,6 +92,7 @@ def _resmlp_case(name: str, preset: str, image_size: int, patch: int, batch: int
             affine=affine,
             layerscale=layerscale,
             remat=remat,
+            remat_policy=remat_policy,
             **models.PRESETS[preset],
         )
 
@@ -98,7 +103,7 @@ def model_cases(names: list[str]) -> list[ModelCase]:
     cases = {
         "mlp": lambda: ModelCase(
             "mlp-d384x12 (B=128, T=64)",
-            lambda dense, scale_shift, remat: DenseStack(dense, depth=12, hidden=1536, remat=remat),
+            lambda dense, scale_shift, remat, remat_policy: DenseStack(dense, 12, 1536, remat, remat_policy),
             (128, 64, 384),
         ),
         "s12-cifar": lambda: _resmlp_case("resmlp-s12 cifar (32px/4, B=128)", "s12", 32, 4, 128),
@@ -125,7 +130,7 @@ def linear_input_bytes(module: nn.Module, params, x) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    mode: str = "dense"  # "dense", "remat", "linear" or "all"
+    mode: str = "dense"  # "dense", "remat", "linear", "all" or "policy"
     sparsity: float = 0.0
     block: int = 16
     storage: str | None = None
@@ -150,7 +155,8 @@ def measure(case: ModelCase, config: Config, compile_step: bool, selection: str)
         functools.partial(bsr_jax.Affine, **(options if prune_scales else {})),
         functools.partial(bsr_jax.LayerScale, **(options if prune_scales else {})),
     )
-    module = case.build(dense, scale_shift, config.mode == "remat")
+    policy = bsr_jax.remat_policy() if config.mode == "policy" else None
+    module = case.build(dense, scale_shift, config.mode in ("remat", "policy"), policy)
     x = jax.ShapeDtypeStruct(case.input_shape, jnp.float32)
     params = jax.eval_shape(module.init, jax.random.key(0), x)
     loss = lambda p, x: jnp.mean(module.apply(p, x).astype(jnp.float32) ** 2)
@@ -176,6 +182,7 @@ def configs_for(args) -> list[Config]:
     for mode in args.modes:
         configs += [Config(mode, s, b) for s in args.sparsities for b in args.blocks]
         configs += [Config(mode, 0.7, 16, storage) for storage in args.storage]
+    configs += [Config("policy", s, 16) for s in args.policy_sparsities]
     return configs
 
 
@@ -229,6 +236,8 @@ def main() -> None:
     parser.add_argument("--storage", nargs="*", default=["bfloat16", "int8", "float8_e4m3fn"],
                         help="extra rows at sparsity 0.7 block 16 with kept blocks stored in these dtypes "
                              "(default: bfloat16 int8 float8_e4m3fn)")
+    parser.add_argument("--policy-sparsities", nargs="*", type=float, default=[0.7],
+                        help="policy rows (block 16): linear pruning plus remat_policy per block (default: 0.7)")
     parser.add_argument("--selection", default="global", choices=["global", "column"], help="default: global")
     parser.add_argument("--compile", default="headline", choices=["all", "headline", "none"],
                         help="which rows compile their grad step for the compiled temp MiB column: all, none, or "

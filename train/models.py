@@ -21,6 +21,7 @@ linear layers' residuals.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -127,6 +128,9 @@ class ResMLP(nn.Module):
         ``beta`` and ``scale``, each ``(D,)``.
       remat: recompute each block in the backward pass (``nn.remat``), keeping only block inputs:
         the classic memory baseline to compare block-sparse residuals against.
+      remat_policy: with ``remat``, the ``jax.checkpoint`` policy deciding what a block saves, e.g.
+        ``bsr_jax.remat_policy()`` (keep block-sparse residuals and matmul outputs, recompute the
+        elementwise ops); ``None`` saves nothing but the block input.
       layerscale_init: LayerScale initial value; ``None`` uses ``layerscale_init_for(depth)``.
       dtype: computation dtype (e.g. ``jnp.bfloat16``); params stay ``float32``.
     """
@@ -141,6 +145,7 @@ class ResMLP(nn.Module):
     affine: ModuleDef = bsr_jax.Affine
     layerscale: ModuleDef = bsr_jax.LayerScale
     remat: bool = False
+    remat_policy: Callable[..., bool] | None = None
     mlp_ratio: int = 4
     layerscale_init: float | None = None
     dtype: Any = None
@@ -157,7 +162,7 @@ class ResMLP(nn.Module):
             patches.reshape(batch, (height // p) * (width // p), p * p * channels)
         )
         init = layerscale_init_for(self.depth) if self.layerscale_init is None else self.layerscale_init
-        block = nn.remat(ResMLPBlock) if self.remat else ResMLPBlock
+        block = nn.remat(ResMLPBlock, policy=self.remat_policy) if self.remat else ResMLPBlock
         for i in range(self.depth):
             x = block(self.dense, self.affine, self.layerscale, init, self.mlp_ratio, dtype=self.dtype, name=f"block{i}")(x)
         x = self.affine(dtype=self.dtype, name="final_affine")(x)
