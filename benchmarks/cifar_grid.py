@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grid_report  # noqa: E402
 
 # name -> train.cifar flags. The paper's grid (dense; 0.5/16; 0.7 with blocks 4/16/64), 0.9/16, and
-# this project's extension: every parameter-gradient residual pruned, kept blocks in int8.
+# this project's extensions: every parameter-gradient residual pruned, kept blocks in int8, and
+# unbiased stochastic block sampling instead of top-k.
 CONFIGS: dict[str, list[str]] = {
     "dense": ["--sparsity", "0"],
     "s0.5-b16": ["--sparsity", "0.5", "--block", "16"],
@@ -32,6 +33,10 @@ CONFIGS: dict[str, list[str]] = {
     "s0.9-b16": ["--sparsity", "0.9", "--block", "16"],
     "all-s0.7-b16": ["--sparsity", "0.7", "--block", "16", "--prune-scale-shift"],
     "all-s0.7-b16-int8": ["--sparsity", "0.7", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8"],
+    "stoch-s0.7-b16": ["--sparsity", "0.7", "--block", "16", "--stochastic"],
+    "all-s0.7-b16-int8-stoch": [
+        "--sparsity", "0.7", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8", "--stochastic",
+    ],
 }
 
 
