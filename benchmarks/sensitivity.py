@@ -81,10 +81,13 @@ def measure(args) -> dict:
     checkpoints.close()
     paths = [p for p in prunable_layer_paths(model.apply, params, batch["image"]) if pruned_by(base, params["params"], p)]
 
-    def grads_for(variant: TrainConfig, rng=None) -> dict:
+    def grad_fn(variant: TrainConfig):
         loss_fn = loop.loss_function(loop.create_model(variant, test.num_classes), test.num_classes, base.label_smoothing)
         grad = jax.jit(jax.grad(lambda p, b, r: loss_fn(p, b, r)[0]))
-        return grad(params["params"], batch, rng)
+        return lambda rng=None: grad(params["params"], batch, rng)
+
+    def grads_for(variant: TrainConfig) -> dict:
+        return grad_fn(variant)()
 
     def loss(p, b):
         return loop.loss_function(model, test.num_classes, base.label_smoothing)(p["params"], b)[0]
@@ -102,8 +105,8 @@ def measure(args) -> dict:
             table[path][f"s{args.sparsity} {dtype}"] = relative_error(quantized, dense, path)
             table[path][f"s{args.sparsity} {dtype} quant"] = relative_error(quantized, pruned, path)
     print(f"# stochastic, {args.draws} draws", file=sys.stderr, flush=True)
-    stochastic = dataclasses.replace(base, sparsity=args.sparsity, stochastic=True)
-    draws = [grads_for(stochastic, jax.random.key(i)) for i in range(args.draws)]
+    sample = grad_fn(dataclasses.replace(base, sparsity=args.sparsity, stochastic=True))
+    draws = [sample(jax.random.key(i)) for i in range(args.draws)]
     mean = jax.tree.map(lambda *g: sum(g) / len(g), *draws)
     for path in paths:
         table[path][f"s{args.sparsity} stochastic"] = relative_error(draws[0], dense, path)
