@@ -3,8 +3,9 @@
 For each layer shape, block and sparsity: times dense ``x.T @ dy``, the ``xla`` backend (global
 and column selection) and, on a GPU, the ``pallas`` backend; compression (block magnitudes, top-k,
 gather: ``from_dense``) is timed against the layer's dense forward matmul ``x @ w``. Everything is
-jitted, warmed up, and timed as the median of ``--reps`` runs, backends interleaved with their
-dense baseline, so the ratios compare like with like on a shared machine. Sparse TFLOP/s counts
+jitted and warmed up; each variant and its dense baseline are timed alternately ``--reps`` times
+and the ratio reported is the median of the per-repetition ratios, so a slow spell of the shared
+machine hits both alike. Sparse TFLOP/s counts
 kept-block FLOPs only; GB/s counts the bytes each variant must read and write at least once.
 
     python benchmarks/kernels.py                     # CPU: xla only (pallas needs a GPU)
@@ -39,14 +40,21 @@ SHAPES = {
 }
 
 
-def median_time(fn, *args, reps: int) -> float:
+def _seconds(fn, args) -> float:
+    start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time.perf_counter() - start
+
+
+def paired_times(fn_a, args_a, fn_b, args_b, reps: int) -> tuple[float, float, float]:
+    """Median seconds of ``fn_a`` and ``fn_b`` and the median of their per-repetition ratio.
+
+    The two are timed alternately, so a slow spell of the shared machine hits both alike.
+    """
+    jax.block_until_ready((fn_a(*args_a), fn_b(*args_b)))
+    pairs = [(_seconds(fn_a, args_a), _seconds(fn_b, args_b)) for _ in range(reps)]
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(a / b for a, b in pairs))  # fmt: skip
 
 
 def measure_shape(name: str, args) -> list[dict]:
@@ -67,22 +75,21 @@ def measure_shape(name: str, args) -> list[dict]:
                 compress = jax.jit(lambda x: from_dense(x, sparsity, block, selection=selection))
                 bsr = compress(x)
                 dy_padded = jnp.pad(dy, ((0, bsr.padded_shape[0] - m), (0, 0)))
-                t_compress, t_fwd = median_time(compress, x, reps=args.reps), median_time(dense_fwd, x, w, reps=args.reps)
+                t_compress, t_fwd, compress_ratio = paired_times(compress, (x,), dense_fwd, (x, w), args.reps)
                 kept = bsr.capacity * bsr.block[0] * bsr.block[1] / (m * k)
                 for backend in backend_names:
                     fn = jax.jit(backends.BACKENDS[backend])
-                    t_sparse = median_time(fn, bsr, dy_padded, reps=args.reps)
-                    t_dense = median_time(dense_dw, x, dy, reps=args.reps)
+                    t_sparse, t_dense, ratio = paired_times(fn, (bsr, dy_padded), dense_dw, (x, dy), args.reps)
                     gathered = bsr.capacity * bsr.block[0] * n  # dy rows read once per kept block
                     rows.append(
                         dict(
                             shape=name, m=m, k=k, n=n, block=block, sparsity=sparsity, selection=selection,
                             backend=backend, kept_fraction=kept,
-                            dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3, ratio=t_sparse / t_dense,
+                            dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3, ratio=ratio,
                             dense_tflops=flops / t_dense / 1e12, sparse_tflops=kept * flops / t_sparse / 1e12,
                             dense_gbs=dense_bytes / t_dense / 1e9,
                             sparse_gbs=4 * (bsr.capacity * block * block + gathered + k * n) / t_sparse / 1e9,
-                            compress_ms=t_compress * 1e3, compress_over_forward=t_compress / t_fwd,
+                            compress_ms=t_compress * 1e3, compress_over_forward=compress_ratio,
                         )
                     )  # fmt: skip
                     print(f"# {name} b{block} s{sparsity} {selection} {backend}: {rows[-1]['ratio']:.2f}x dense",

@@ -2,15 +2,16 @@
 
 Two paths, chosen statically by the layout:
 
-* every block-column keeps the same number of blocks (``selection="column"``): the kept blocks
-  of a group of columns and the dy block-rows they pair with are gathered into
-  ``(group, count * bm, bk)`` and ``(group, count * bm, N)`` and multiplied as one batched matmul,
-  so FLOPs are ``(1 - sparsity)`` of dense. Groups are processed one after another
-  (``lax.map``) so the gathered dy stays under ``GATHER_BYTES``;
+* every block-column keeps the same number of blocks (``selection="column"``), at most
+  ``BATCHED_MAX_KEPT`` of them: the kept blocks of a group of columns and the dy block-rows they
+  pair with are gathered into ``(group, count * bm, bk)`` and ``(group, count * bm, N)`` and
+  multiplied as one batched matmul, so FLOPs are ``(1 - sparsity)`` of dense. Groups are processed
+  one after another (``lax.map``) so the gathered dy stays under ``GATHER_BYTES``;
 * otherwise (``selection="global"``: a different count per column, which static shapes cannot
-  batch): the kept blocks are scattered into a zero ``(Mb * bm, Kb * bk)`` matrix, followed by
-  one dense matmul. Dense FLOPs, but only for the duration of this layer's backward; the residual
-  kept between forward and backward is still the block-sparse one.
+  batch; or a high kept fraction): the kept blocks are placed into a zero ``(Mb * bm, Kb * bk)``
+  matrix (``BlockSparse.to_dense``), followed by one dense matmul. Dense FLOPs, but only for the
+  duration of this layer's backward; the residual kept between forward and backward is still the
+  block-sparse one.
 
 Measured against dense ``x.T @ dy`` on CPU: see benchmarks/kernels.py and docs/RESULTS.md.
 """
@@ -23,6 +24,10 @@ import jax.numpy as jnp
 from bsr_jax.format import BlockSparse
 
 GATHER_BYTES = 8 << 20
+# Every kept block re-reads a (bm, N) slab of dy, so the batched path's gather grows with the kept
+# fraction; on the development CPU it beat densify-and-matmul at 30% kept and lost at 50% and above
+# (benchmarks/kernels.py, docs/kernels.md), so it runs only up to this kept fraction.
+BATCHED_MAX_KEPT = 0.4
 
 
 def _column_batched_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
@@ -46,6 +51,6 @@ def _column_batched_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
 
 def xla_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
     """``(Kb*bk, N)`` f32 ``x.T @ dy`` from the kept blocks; ``dy`` is ``(Mb*bm, N)``."""
-    if bsr.column_count:
+    if bsr.column_count and bsr.column_count <= BATCHED_MAX_KEPT * bsr.grid[0]:
         return _column_batched_dw(bsr, dy)
     return jnp.matmul(bsr.to_dense(padded=True).T, dy, preferred_element_type=jnp.float32)
