@@ -1,6 +1,6 @@
 """Summarise a grid of train.cifar runs: a markdown table, JSON and two plots.
 
-Per configuration (runs named ``<config>-seed<S>``): final test accuracy (mean and spread over
+Per configuration (runs named ``<config>-seed<S>``; unfinished runs are left out): final test accuracy (mean and spread over
 seeds), epochs until test accuracy first reaches 90% of the dense run's final accuracy (the
 paper's "delayed convergence", mean over seeds; "-" if never), training images/s (median of the
 logged intervals after the first, which includes compilation), residual activation MiB and
@@ -33,14 +33,23 @@ def load_run(workdir: str) -> dict:
     return by_kind
 
 
+def is_finished(workdir: str, run: dict) -> bool:
+    """The run evaluated after its last configured epoch (an unfinished run would mix epochs)."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        epochs = json.load(f)["config"]["epochs"]
+    return bool(run["eval"]) and run["eval"][-1]["epoch"] >= epochs - 1e-9
+
+
 def summarise(root: str, order: list[str]) -> list[dict]:
     runs: dict[str, list[dict]] = defaultdict(list)
     for entry in sorted(os.listdir(root)):
         match = re.fullmatch(r"(.+)-seed(\d+)", entry)
         if match and os.path.exists(os.path.join(root, entry, "metrics.jsonl")):
             run = load_run(os.path.join(root, entry))
-            if run["eval"]:
+            if is_finished(os.path.join(root, entry), run):
                 runs[match.group(1)].append(run)
+            else:
+                print(f"[report] {entry}: not finished, left out", file=sys.stderr)
     if "dense" not in runs:
         raise SystemExit(f"no finished dense run under {root}: it is the reference for every row")
     dense_final = statistics.mean(run["eval"][-1]["test_accuracy"] for run in runs["dense"])
