@@ -3,12 +3,12 @@
 Two paths, chosen statically by the layout:
 
 * every block-column keeps the same number of blocks (``selection="column"``), at most
-  ``BATCHED_MAX_KEPT`` of them: the kept blocks of a group of columns and the dy block-rows they
+  ``BATCHED_MAX_KEPT`` of them, and blocks are at least ``BATCHED_MIN_BLOCK`` on each side: the kept blocks of a group of columns and the dy block-rows they
   pair with are gathered into ``(group, count * bm, bk)`` and ``(group, count * bm, N)`` and
   multiplied as one batched matmul, so FLOPs are ``(1 - sparsity)`` of dense. Groups are processed
   one after another (``lax.map``) so the gathered dy stays under ``GATHER_BYTES``;
 * otherwise (``selection="global"``: a different count per column, which static shapes cannot
-  batch; or a high kept fraction): the kept blocks are placed into a zero ``(Mb * bm, Kb * bk)``
+  batch; or a high kept fraction, or small blocks): the kept blocks are placed into a zero ``(Mb * bm, Kb * bk)``
   matrix (``BlockSparse.to_dense``), followed by one dense matmul. Dense FLOPs, but only for the
   duration of this layer's backward; the residual kept between forward and backward is still the
   block-sparse one.
@@ -28,6 +28,9 @@ GATHER_BYTES = 8 << 20
 # fraction; on the development CPU it beat densify-and-matmul at 30% kept and lost at 50% and above
 # (benchmarks/kernels.py, docs/kernels.md), so it runs only up to this kept fraction.
 BATCHED_MAX_KEPT = 0.4
+# With blocks under 16 the slabs are too thin for the gather and each small matmul to pay off (block
+# 4 ran at 3.9-5x of dense at sparsity 0.7), so those blocks always densify.
+BATCHED_MIN_BLOCK = 16
 
 
 def _column_batched_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
@@ -51,6 +54,7 @@ def _column_batched_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
 
 def xla_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
     """``(Kb*bk, N)`` f32 ``x.T @ dy`` from the kept blocks; ``dy`` is ``(Mb*bm, N)``."""
-    if bsr.column_count and bsr.column_count <= BATCHED_MAX_KEPT * bsr.grid[0]:
+    batched = bsr.column_count and bsr.column_count <= BATCHED_MAX_KEPT * bsr.grid[0]
+    if batched and min(bsr.block) >= BATCHED_MIN_BLOCK:
         return _column_batched_dw(bsr, dy)
     return jnp.matmul(bsr.to_dense(padded=True).T, dy, preferred_element_type=jnp.float32)

@@ -17,6 +17,7 @@ def backend(request, monkeypatch):
     takes only at kept fractions these small test shapes do not reach."""
     if request.param == "xla-batched":
         monkeypatch.setattr(xla_backend, "BATCHED_MAX_KEPT", 1.0)
+        monkeypatch.setattr(xla_backend, "BATCHED_MIN_BLOCK", 1)
         return "xla"
     return request.param
 
@@ -158,6 +159,7 @@ def test_backend_environment_variable(monkeypatch):
 def test_xla_column_path_matches_reference_in_column_groups(monkeypatch, gather_bytes):
     monkeypatch.setattr(xla_backend, "GATHER_BYTES", gather_bytes)
     monkeypatch.setattr(xla_backend, "BATCHED_MAX_KEPT", 1.0)
+    monkeypatch.setattr(xla_backend, "BATCHED_MIN_BLOCK", 1)
     x, _, _ = _inputs((37, 45), 24, jnp.float32)
     dy = bf16_exact_normal(jax.random.key(3), (40, 24))
     bsr = from_dense(x, 0.5, 8, selection="column")
