@@ -46,6 +46,7 @@ def plot_runs(workdirs: Sequence[str], out: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
