@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -43,7 +42,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 
 import bsr_jax  # noqa: E402
 from bsr_jax.memory import MIB  # noqa: E402
-from run_info import run_metadata  # noqa: E402
+from run_info import run_metadata, write_json  # noqa: E402
 
 
 class MLPBlock(nn.Module):
@@ -247,10 +246,7 @@ def main() -> None:
     meta = run_metadata()
     rows = run(args)
     print_table(rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_json(args.out, meta, dict(rows=rows))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -25,3 +26,11 @@ def run_metadata() -> dict[str, str]:
         backend=jax.default_backend(),
         device=jax.devices()[0].device_kind,
     )
+
+
+def write_json(path: str, meta: dict[str, str], payload: dict) -> None:
+    """``{"meta": meta, **payload}`` to ``path`` (directories created), announced on stderr."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, **payload), f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)

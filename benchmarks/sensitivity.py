@@ -31,8 +31,8 @@ import jax.numpy as jnp
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from bsr_jax.schedules import prunable_layer_paths  # noqa: E402
-from bsr_jax.sensitivity import gradient_sensitivity, relative_error  # noqa: E402
-from run_info import run_metadata  # noqa: E402
+from bsr_jax.sensitivity import gradient_sensitivity, layer_params, relative_error  # noqa: E402
+from run_info import run_metadata, write_json  # noqa: E402
 from train import data, loop, sharding  # noqa: E402
 from train.checkpoint import Checkpoints  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
@@ -40,18 +40,13 @@ from train.config import TrainConfig  # noqa: E402
 STORAGE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 
 
-def load_run(run: str, data_dir: str | None) -> tuple[TrainConfig, dict]:
+def load_run(run: str, data_dir: str | None) -> TrainConfig:
+    """The run's training config, reading data from ``data_dir`` if given, never resuming."""
     with open(os.path.join(run, "config.json")) as f:
         fields = json.load(f)["config"]
     fields["layer_sparsity"] = tuple(tuple(rule) for rule in fields["layer_sparsity"])
     config = TrainConfig(**fields)
-    return dataclasses.replace(config, data_dir=data_dir or config.data_dir, resume=False), fields
-
-
-def layer_params(params: dict, path: str) -> dict:
-    for name in path.split("/"):
-        params = params[name]
-    return params
+    return dataclasses.replace(config, data_dir=data_dir or config.data_dir, resume=False)
 
 
 def pruned_by(config: TrainConfig, params: dict, path: str) -> bool:
@@ -62,7 +57,7 @@ def pruned_by(config: TrainConfig, params: dict, path: str) -> bool:
 
 
 def measure(args) -> dict:
-    config, _ = load_run(args.run, args.data_dir)
+    config = load_run(args.run, args.data_dir)
     base = dataclasses.replace(
         config, sparsity=0.0, block=args.block, storage_dtype=None, stochastic=False,
         prune_scale_shift=args.prune_scale_shift, layer_sparsity=(),
@@ -140,10 +135,7 @@ def main() -> None:
     meta = run_metadata()
     result = measure(args)
     print_table(result)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, **result), f, indent=1)
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_json(args.out, meta, result)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,17 @@ from bsr_jax.schedules import layer_sparsity
 PRUNED_PARAMS = ("kernel", "alpha", "scale")
 
 
-def pruned_param(params: Any, path: str) -> jax.Array:
-    """The ``kernel``, ``alpha`` or ``scale`` leaf of the layer at ``path`` ('/'-joined) in ``params``."""
+def layer_params(params: Any, path: str) -> Any:
+    """The parameters of the layer at ``path`` ('/'-joined module names) in ``params``."""
     for name in path.split("/"):
         params = params[name]
-    return next(params[name] for name in PRUNED_PARAMS if name in params)
+    return params
+
+
+def pruned_param(params: Any, path: str) -> jax.Array:
+    """The ``kernel``, ``alpha`` or ``scale`` leaf of the layer at ``path`` in ``params``."""
+    layer = layer_params(params, path)
+    return next(layer[name] for name in PRUNED_PARAMS if name in layer)
 
 
 def relative_error(got: Any, want: Any, path: str) -> float:
