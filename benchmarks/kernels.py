@@ -1,21 +1,21 @@
 """Speed of the weight-gradient backends against dense ``x.T @ dy``, measured in one run.
 
 For each layer shape, block and sparsity: times dense ``x.T @ dy``, the ``xla`` backend (global
-and column selection) and, on a GPU, the ``pallas`` backend; compression (block magnitudes, top-k,
+and column selection) and the platform's kernel backend: on a CPU ``cpu`` (the C++ kernel; blocks
+it hands to ``xla`` are not timed twice), on a GPU ``pallas``; compression (block magnitudes, top-k,
 gather: ``from_dense``) is timed against the layer's dense forward matmul ``x @ w``. Everything is
 jitted and warmed up; each variant and its dense baseline are timed alternately ``--reps`` times
 and the ratio reported is the median of the per-repetition ratios, so a slow spell of the shared
 machine hits both alike. Sparse TFLOP/s counts
 kept-block FLOPs only; GB/s counts the bytes each variant must read and write at least once.
 
-    python benchmarks/kernels.py                     # CPU: xla only (pallas needs a GPU)
+    python benchmarks/kernels.py                     # CPU: xla and cpu (pallas needs a GPU)
     python benchmarks/kernels.py --shapes cifar-fc1 cifar-fc2 --blocks 16 64 --sparsities 0.7 --reps 5
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +28,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 
 from bsr_jax import backends  # noqa: E402
 from bsr_jax.format import from_dense  # noqa: E402
-from run_info import run_metadata  # noqa: E402
+from run_info import run_metadata, write_json  # noqa: E402
 
 # name -> (M, K, N): x (M, K), dy (M, N). ResMLP-S12, dim 384, MLP 1536.
 SHAPES = {
@@ -67,7 +67,7 @@ def measure_shape(name: str, args) -> list[dict]:
     dense_fwd = jax.jit(lambda x, w: x @ w)
     flops = 2 * m * k * n
     dense_bytes = 4 * (m * k + m * n + k * n)
-    backend_names = ["xla"] + (["pallas"] if jax.default_backend() == "gpu" else [])
+    kernel_backend = backends.PLATFORM_DEFAULTS.get(jax.default_backend())
     rows = []
     for block in args.blocks:
         for sparsity in args.sparsities:
@@ -77,7 +77,8 @@ def measure_shape(name: str, args) -> list[dict]:
                 dy_padded = jnp.pad(dy, ((0, bsr.padded_shape[0] - m), (0, 0)))
                 t_compress, t_fwd, compress_ratio = paired_times(compress, (x,), dense_fwd, (x, w), args.reps)
                 kept = bsr.capacity * bsr.block[0] * bsr.block[1] / (m * k)
-                for backend in backend_names:
+                kernel_runs = kernel_backend and not (kernel_backend == "cpu" and block < backends.CPU_KERNEL_MIN_ROWS)
+                for backend in ["xla"] + ([kernel_backend] if kernel_runs else []):
                     fn = jax.jit(backends.BACKENDS[backend])
                     t_sparse, t_dense, ratio = paired_times(fn, (bsr, dy_padded), dense_dw, (x, dy), args.reps)
                     gathered = bsr.capacity * bsr.block[0] * n  # dy rows read once per kept block
@@ -122,14 +123,11 @@ def main() -> None:
     meta = run_metadata()
     device = jax.devices()[0].device_kind
     if jax.default_backend() != "gpu":
-        print(f"# {jax.default_backend()}: pallas backend skipped (compiled kernels need a GPU)", file=sys.stderr)
+        print(f"# {jax.default_backend()}: pallas backend skipped (compiled Pallas kernels need a GPU)", file=sys.stderr)
     rows = [row for shape in args.shapes for row in measure_shape(shape, args)]
     print_table(rows)
     out = args.out or f"benchmarks/results/kernels-{device.replace(' ', '_')}.json"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {out}", file=sys.stderr)
+    write_json(out, meta, dict(rows=rows))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Every backend is a function ``(bsr, dy) -> dW`` where ``dy`` is ``(Mb * bm, N)`` (zero-padded to
 whole block-rows) and ``dW`` is ``(Kb * bk, N)`` float32; the caller slices off padding and casts.
 
-Names: ``"reference"`` (densify then one matmul; for tests), ``"xla"`` (pure jax.numpy; default
-on CPU and TPU) and ``"pallas"`` (Pallas kernels; default on GPU). ``backend=None`` resolves to the
-environment variable ``BSR_JAX_BACKEND`` if set, else by ``jax.default_backend()``.
+Names: ``"reference"`` (densify then one matmul; for tests), ``"xla"`` (pure jax.numpy; default on
+TPU), ``"cpu"`` (the C++ kernel of ``cpu_kernels``; CPU only, the default there) and ``"pallas"``
+(Pallas kernels; default on GPU). ``backend=None`` resolves to the environment variable
+``BSR_JAX_BACKEND`` if set, else by ``jax.default_backend()``. All agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -16,12 +17,18 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+import cpu_kernels
 from bsr_jax.format import BlockSparse
 from bsr_jax.pallas_backend import pallas_dw
 from bsr_jax.xla_backend import xla_dw
 
 DwBackend = Callable[[BlockSparse, jax.Array], jax.Array]
 ENV_VAR = "BSR_JAX_BACKEND"
+PLATFORM_DEFAULTS = {"gpu": "pallas", "cpu": "cpu"}
+# Each kept block reloads and stores its bk rows of the dW tile once per bm rows of dy, so blocks
+# with few rows spend the kernel on loads and stores: at 4 rows it ran at 1.6-2.3x of dense where
+# the xla backend's densify-and-matmul ran at 1.3-1.4x (benchmarks/kernels.py, docs/kernels.md).
+CPU_KERNEL_MIN_ROWS = 8
 
 
 def reference_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
@@ -30,13 +37,22 @@ def reference_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
     return jnp.matmul(dense.T, dy, preferred_element_type=jnp.float32)
 
 
-BACKENDS: dict[str, DwBackend] = {"reference": reference_dw, "xla": xla_dw, "pallas": pallas_dw}
+def cpu_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
+    """``cpu_kernels.bsr_t_matmul`` on the kept blocks (dequantized, in float32); blocks of fewer
+    than ``CPU_KERNEL_MIN_ROWS`` rows take ``xla_dw`` instead, which is faster for them."""
+    if bsr.block[0] < CPU_KERNEL_MIN_ROWS:
+        return xla_dw(bsr, dy)
+    bsr = bsr.dequantized()
+    return cpu_kernels.bsr_t_matmul(bsr.values, bsr.block_rows, bsr.col_ptr, dy)
+
+
+BACKENDS: dict[str, DwBackend] = {"reference": reference_dw, "xla": xla_dw, "cpu": cpu_dw, "pallas": pallas_dw}
 
 
 def resolve_backend(name: str | None) -> str:
     """The backend name to use: the argument, else ``$BSR_JAX_BACKEND``, else by platform."""
     if name is None:
-        name = os.environ.get(ENV_VAR) or ("pallas" if jax.default_backend() == "gpu" else "xla")
+        name = os.environ.get(ENV_VAR) or PLATFORM_DEFAULTS.get(jax.default_backend(), "xla")
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {name!r}")
     return name

@@ -86,7 +86,7 @@ def bsr_linear(
       stochastic: sample blocks with probability by magnitude and rescale them, so dW is unbiased
         (see ``from_dense``); needs ``key`` when differentiated (the forward pass does not use it).
       key: PRNG key of the stochastic sampling.
-      backend: dW backend, ``"xla"``, ``"pallas"`` or ``"reference"``; ``None`` picks
+      backend: dW backend, ``"cpu"``, ``"xla"``, ``"pallas"`` or ``"reference"``; ``None`` picks
         ``$BSR_JAX_BACKEND`` or the platform default (see ``bsr_jax.backends``).
       precision: passed to ``lax.dot_general`` for y and dx.
 

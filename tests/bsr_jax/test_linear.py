@@ -11,7 +11,7 @@ from numerics import assert_close_scaled, bf16_exact_normal
 from bsr_jax import backends, bsr_linear, from_dense, residual_bytes, xla_backend
 
 
-@pytest.fixture(params=["reference", "xla", "xla-batched"])
+@pytest.fixture(params=["reference", "xla", "xla-batched", "cpu"])
 def backend(request, monkeypatch):
     """Every dW path: "xla-batched" forces the xla backend's batched column path, which it otherwise
     takes only at kept fractions these small test shapes do not reach."""
