@@ -43,14 +43,16 @@ def memory(doc: dict, model: str) -> str:
 
 def kernels(doc: dict, sparsity: float | None) -> str:
     lines = [
-        "| shape (M, K, N) | block | sparsity | selection | dense ms | sparse ms | sparse / dense | compress / fwd |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape (M, K, N) | block | sparsity | selection | backend | dense ms | sparse ms | sparse / dense | "
+        "sparse GFLOP/s (dense) | compress / fwd |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         if sparsity is None or r["sparsity"] == sparsity:
             lines.append(
                 f"| {r['shape']} ({r['m']}, {r['k']}, {r['n']}) | {r['block']} | {r['sparsity']} | {r['selection']} | "
-                f"{r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | {r['ratio']:.2f} | {r['compress_over_forward']:.2f} |"
+                f"{r['backend']} | {r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | **{r['ratio']:.2f}** | "
+                f"{r['sparse_tflops'] * 1e3:.0f} ({r['dense_tflops'] * 1e3:.0f}) | {r['compress_over_forward']:.2f} |"
             )
     return "\n".join(lines) + "\n" + _meta_line(doc["meta"])
 

