@@ -1,4 +1,5 @@
-"""The ``xla`` dW backend: block-sparse ``x.T @ dy`` in pure jax.numpy (CPU/TPU default).
+"""The ``xla`` dW backend: block-sparse ``x.T @ dy`` in pure jax.numpy (the TPU default; on CPU the
+``cpu`` backend's C++ kernel is faster, see ``bsr_jax.backends``).
 
 Two paths, chosen statically by the layout:
 
