@@ -264,7 +264,8 @@ def _kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
         candidate = t | jnp.left_shift(jnp.int32(1), 30 - i)
         return jnp.where(jnp.sum(bits >= candidate[..., None], axis=-1) >= k, candidate, t)
 
-    return lax.fori_loop(0, 31, set_bit_if_enough, jnp.zeros(bits.shape[:-1], jnp.int32))
+    # Derived from bits, so under shard_map the carry varies over the same mesh axes as the body's.
+    return lax.fori_loop(0, 31, set_bit_if_enough, jnp.zeros_like(bits[..., 0]))
 
 
 def _top_blocks(scores: jax.Array, capacity: int, selection: Selection, with_threshold: bool):
