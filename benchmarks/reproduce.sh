@@ -8,8 +8,19 @@ cd "$(dirname "$0")/.."
 data=${1:?usage: bash benchmarks/reproduce.sh PATH_TO_CIFAR10 [EPOCHS]}
 epochs=${2:-3}
 python benchmarks/memory.py --out benchmarks/results/memory.json
-python benchmarks/memory.py --models s12-cifar --modes linear --storage --policy-sparsities --compile all \
-  --out benchmarks/results/memory-s12-cifar-compiled.json
+# The first compiled table in RESULTS 1.2 predates the cpu backend: it was compiled with the xla one.
+BSR_JAX_BACKEND=xla python benchmarks/memory.py --models s12-cifar --modes linear --storage --policy-sparsities \
+  --compile all --out benchmarks/results/memory-s12-cifar-compiled.json
+python benchmarks/memory.py --models s12-cifar --modes linear --sparsities 0.3 0.7 0.9 --blocks 16 --compile all \
+  --out benchmarks/results/memory-s12-cifar-compiled-cpu-backend.json
 python benchmarks/kernels.py
+python benchmarks/kernels.py --shapes cifar-fc1 cifar-fc2 --blocks 16 64 --sparsities 0.7 --reps 21 \
+  --out benchmarks/results/kernels-cpu-targets.json
+for run in "dense 0.0" "s0.7-b16 0.7"; do
+  set -- $run
+  rm -rf "runs/throughput/$1"  # step timings only: start fresh rather than resume
+  python -m train.cifar --model tiny --data-dir "$data" --steps 120 --log-every 20 --sparsity "$2" --block 16 \
+    --workdir "runs/throughput/$1"
+done
 python benchmarks/cifar_grid.py --data-dir "$data" --epochs "$epochs" --seeds 0 1 --out docs/results
 python benchmarks/sensitivity.py --run runs/cifar_grid/dense-seed0 --data-dir "$data" --prune-scale-shift

@@ -141,7 +141,7 @@ _HELP = {
     "block": "square block side of the pruning",
     "criterion": "block magnitude used for ranking",
     "selection": "'global': largest blocks of the whole tensor; 'column': same number per block-column",
-    "backend": "dW backend (xla, pallas, reference); default: $BSR_JAX_BACKEND or the platform's",
+    "backend": "dW backend (cpu, xla, pallas, reference); default: $BSR_JAX_BACKEND or the platform's",
     "sparse_stem": "also prune the patch embedding's input",
     "sparse_head": "also prune the classifier's input",
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
