@@ -290,11 +290,9 @@ def _top_blocks(scores: jax.Array, capacity: int, selection: Selection, with_thr
         col_ptr = jnp.arange(kb + 1, dtype=jnp.int32) * per_group
     threshold = None
     if with_threshold:
-        if per_group < bits.shape[1]:
-            next_bits = _kth_largest_bits(bits, per_group + 1)
-            threshold = lax.bitcast_convert_type(next_bits, jnp.float32)
-        else:
-            threshold = jnp.zeros(bits.shape[:1], jnp.float32)
+        # The next-largest score is the largest one not kept (0, i.e. bits 0, when all are kept).
+        next_bits = jnp.max(jnp.where(keep, 0, bits), axis=1)
+        threshold = lax.bitcast_convert_type(next_bits, jnp.float32)
         threshold = threshold[0] if selection == "global" else threshold
     return row_ids, col_ids, col_ptr, threshold
 
