@@ -19,6 +19,12 @@ class KeptBlocks:
     masked_x: np.ndarray  # (Mb * bm, Kb * bk), float64
 
 
+# Keep masks (Mb, Kb) shared by the kernel tests: one kept block; several with an empty column.
+ONE_BLOCK = np.zeros((3, 4), bool)
+ONE_BLOCK[1, 2] = True
+SEVERAL_WITH_EMPTY_COLUMN = np.array([[1, 0, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
+
+
 def kept_blocks(mask: np.ndarray, block: tuple[int, int], dtype, seed: int = 0) -> KeptBlocks:
     """Blocks of a bf16-exact random x where ``mask[i, j]``, grouped by column, rows ascending."""
     (mb, kb), (bm, bk) = mask.shape, block

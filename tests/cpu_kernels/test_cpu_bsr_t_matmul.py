@@ -5,16 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from block_cases import dense_operand, kept_blocks, random_mask
+from block_cases import ONE_BLOCK, SEVERAL_WITH_EMPTY_COLUMN, dense_operand, kept_blocks, random_mask
 from numerics import assert_close_scaled
 
 import cpu_kernels
 from bsr_jax import backends, from_dense
 from pallas_kernels import bsr_t_matmul_reference
 
-SEVERAL_WITH_EMPTY_COLUMN = np.array([[1, 0, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
-ONE_BLOCK = np.zeros((3, 4), bool)
-ONE_BLOCK[1, 2] = True
 # (keep mask, block, N): N covers whole 64-wide tiles, 16-wide vectors and a scalar tail; bk covers
 # whole 4-row groups and a remainder.
 CASES = {

@@ -7,14 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from block_cases import dense_operand, kept_blocks, random_mask
+from block_cases import ONE_BLOCK, SEVERAL_WITH_EMPTY_COLUMN, dense_operand, kept_blocks, random_mask
 from numerics import assert_close_scaled
 
 from pallas_kernels import TileConfig, bsr_t_matmul, bsr_t_matmul_reference
 
-SEVERAL_WITH_EMPTY_COLUMN = np.array([[1, 0, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
-ONE_BLOCK = np.zeros((3, 4), bool)
-ONE_BLOCK[1, 2] = True
 CASES = {
     "one block": (ONE_BLOCK, (16, 16), 40, None),
     "several, empty column": (SEVERAL_WITH_EMPTY_COLUMN, (16, 16), 40, None),
