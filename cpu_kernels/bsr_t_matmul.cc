@@ -106,7 +106,10 @@ void RunTile(const Problem& p, int64_t tile) {
     const float* dy = p.dy + p.rows[b] * p.bm * p.n + n0;
     float* out = p.out + p.cols[b] * p.bk * p.n + n0;
     int64_t e0 = 0;
-    for (; e0 + 64 <= width; e0 += 64) UpdateBlock<4>(v, p.bm, p.bk, dy + e0, out + e0, p.n);
+    if (width == kTile) {
+      UpdateBlock<kTile / 16>(v, p.bm, p.bk, dy, out, p.n);
+      e0 = kTile;
+    }
     for (; e0 + 16 <= width; e0 += 16) UpdateBlock<1>(v, p.bm, p.bk, dy + e0, out + e0, p.n);
     if (e0 < width) UpdateScalars(v, p.bm, p.bk, dy + e0, out + e0, p.n, width - e0);
   }
