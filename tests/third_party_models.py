@@ -1,0 +1,311 @@
+"""Small stand-ins for models users bring, written the way their authors write them.
+
+Our own equivalents (not copies) of google-research/vision_transformer's MLP-Mixer and ViT
+(``MlpBlock``, ``MixerBlock``, ``Encoder1DBlock``), flax ``examples/lm1b``'s decoder-only
+TransformerLM (``EncoderDecoder1DBlock``, ReLU MLP, causal + padding mask) and a LayerNorm + two
+Linear NNX model. They use plain ``nn.Dense``/``nn.DenseGeneral`` (inside
+``nn.MultiHeadDotProductAttention``)/``nn.LayerNorm``/``nn.gelu``/``nn.relu`` and know nothing of
+bsr_jax: ``compress_model`` and the lean neighbours must handle them unmodified.
+
+``ISSUE`` is issue 13's configuration (4 layers, width 128, MLP 512, batch 8); ``TINY`` is small
+enough for unit tests. Images are 32x32x3 with 4x4 patches (64 tokens); the LM reads 64 tokens of a
+512-word vocabulary (the lm1b example's 30k vocabulary would make the logits dominate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int
+    width: int
+    mlp: int
+    heads: int
+    batch: int
+    image: int = 32
+    patch: int = 4
+    classes: int = 10
+    vocab: int = 512
+    length: int = 64
+
+
+ISSUE = Config(layers=4, width=128, mlp=512, heads=4, batch=8)
+TINY = Config(layers=2, width=32, mlp=64, heads=2, batch=2, image=16, length=16, vocab=64)
+
+
+# ---- MLP-Mixer (vision_transformer models_mixer.py style) ----
+
+
+class MlpBlock(nn.Module):
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(self.mlp_dim)(x)
+        y = nn.gelu(y)
+        return nn.Dense(x.shape[-1])(y)
+
+
+class MixerBlock(nn.Module):
+    tokens_mlp_dim: int
+    channels_mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm()(x)
+        y = jnp.swapaxes(y, 1, 2)
+        y = MlpBlock(self.tokens_mlp_dim, name="token_mixing")(y)
+        y = jnp.swapaxes(y, 1, 2)
+        x = x + y
+        y = nn.LayerNorm()(x)
+        return x + MlpBlock(self.channels_mlp_dim, name="channel_mixing")(y)
+
+
+class MlpMixer(nn.Module):
+    patch: int
+    num_classes: int
+    num_blocks: int
+    hidden_dim: int
+    tokens_mlp_dim: int
+    channels_mlp_dim: int
+
+    @nn.compact
+    def __call__(self, inputs, *, train: bool = False):
+        del train
+        x = nn.Conv(self.hidden_dim, (self.patch, self.patch), strides=(self.patch, self.patch), name="stem")(inputs)
+        n, h, w, c = x.shape
+        x = x.reshape(n, h * w, c)
+        for _ in range(self.num_blocks):
+            x = MixerBlock(self.tokens_mlp_dim, self.channels_mlp_dim)(x)
+        x = nn.LayerNorm(name="pre_head_layer_norm")(x)
+        x = jnp.mean(x, axis=1)
+        return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(x)
+
+
+# ---- ViT (vision_transformer models_vit.py style) ----
+
+
+class AddPositionEmbs(nn.Module):
+    @nn.compact
+    def __call__(self, inputs):
+        shape = (1, inputs.shape[1], inputs.shape[2])
+        pe = self.param("pos_embedding", nn.initializers.normal(stddev=0.02), shape)
+        return inputs + pe
+
+
+class ViTMlpBlock(nn.Module):
+    mlp_dim: int
+    dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, inputs, *, deterministic):
+        x = nn.Dense(self.mlp_dim, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6))(inputs)
+        x = nn.gelu(x)
+        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+        x = nn.Dense(inputs.shape[-1], kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6))(x)
+        return nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+
+
+class Encoder1DBlock(nn.Module):
+    mlp_dim: int
+    num_heads: int
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, inputs, *, deterministic):
+        x = nn.LayerNorm()(inputs)
+        x = nn.MultiHeadDotProductAttention(
+            kernel_init=nn.initializers.xavier_uniform(),
+            broadcast_dropout=False,
+            deterministic=deterministic,
+            dropout_rate=self.attention_dropout_rate,
+            num_heads=self.num_heads,
+        )(x, x)
+        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+        x = x + inputs
+        y = nn.LayerNorm()(x)
+        y = ViTMlpBlock(self.mlp_dim, self.dropout_rate)(y, deterministic=deterministic)
+        return x + y
+
+
+class VisionTransformer(nn.Module):
+    patch: int
+    num_classes: int
+    num_layers: int
+    hidden_size: int
+    mlp_dim: int
+    num_heads: int
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, inputs, *, train: bool = False):
+        x = nn.Conv(self.hidden_size, (self.patch, self.patch), strides=(self.patch, self.patch), name="embedding")(inputs)
+        n, h, w, c = x.shape
+        x = x.reshape(n, h * w, c)
+        cls = self.param("cls", nn.initializers.zeros, (1, 1, c))
+        x = jnp.concatenate([jnp.tile(cls, [n, 1, 1]), x], axis=1)
+        x = AddPositionEmbs(name="posembed_input")(x)
+        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=not train)
+        for i in range(self.num_layers):
+            x = Encoder1DBlock(self.mlp_dim, self.num_heads, self.dropout_rate, self.attention_dropout_rate, name=f"encoderblock_{i}")(
+                x, deterministic=not train
+            )
+        x = nn.LayerNorm(name="encoder_norm")(x)
+        return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(x[:, 0])
+
+
+# ---- lm1b TransformerLM (flax examples/lm1b models.py style, decoder only) ----
+
+
+def shift_right(x):
+    return jnp.pad(x, ((0, 0), (1, 0)))[:, :-1]
+
+
+class LmMlpBlock(nn.Module):
+    mlp_dim: int
+    dropout_rate: float
+    deterministic: bool
+
+    @nn.compact
+    def __call__(self, inputs):
+        x = nn.Dense(self.mlp_dim, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6))(inputs)
+        x = nn.relu(x)
+        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=self.deterministic)
+        x = nn.Dense(inputs.shape[-1], kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6))(x)
+        return nn.Dropout(rate=self.dropout_rate)(x, deterministic=self.deterministic)
+
+
+class EncoderDecoder1DBlock(nn.Module):
+    mlp_dim: int
+    num_heads: int
+    dropout_rate: float
+    deterministic: bool
+
+    @nn.compact
+    def __call__(self, inputs, decoder_mask=None):
+        x = nn.LayerNorm()(inputs)
+        x = nn.MultiHeadDotProductAttention(
+            num_heads=self.num_heads,
+            kernel_init=nn.initializers.xavier_uniform(),
+            bias_init=nn.initializers.normal(stddev=1e-6),
+            use_bias=False,
+            broadcast_dropout=False,
+            dropout_rate=self.dropout_rate,
+            deterministic=self.deterministic,
+        )(x, mask=decoder_mask)
+        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=self.deterministic)
+        x = x + inputs
+        z = nn.LayerNorm()(x)
+        z = LmMlpBlock(self.mlp_dim, self.dropout_rate, self.deterministic)(z)
+        return x + z
+
+
+class TransformerLM(nn.Module):
+    vocab_size: int
+    emb_dim: int
+    num_layers: int
+    mlp_dim: int
+    num_heads: int
+    max_len: int
+    dropout_rate: float = 0.1
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, inputs):
+        decoder_mask = nn.combine_masks(nn.make_attention_mask(inputs > 0, inputs > 0), nn.make_causal_mask(inputs))
+        embed = nn.Embed(self.vocab_size, self.emb_dim, embedding_init=nn.initializers.normal(stddev=1.0), name="embed")
+        y = embed(shift_right(inputs).astype("int32"))
+        pos = self.param("pos_embedding", nn.initializers.normal(stddev=0.02), (1, self.max_len, self.emb_dim))
+        y = y + pos[:, : y.shape[1]]
+        y = nn.Dropout(rate=self.dropout_rate)(y, deterministic=self.deterministic)
+        for lyr in range(self.num_layers):
+            y = EncoderDecoder1DBlock(self.mlp_dim, self.num_heads, self.dropout_rate, self.deterministic, name=f"encoderdecoderblock_{lyr}")(
+                y, decoder_mask
+            )
+        y = nn.LayerNorm(name="encoderdecoder_norm")(y)
+        return nn.Dense(self.vocab_size, kernel_init=nn.initializers.xavier_uniform(), name="logitdense")(y)
+
+
+# ---- NNX: LayerNorm + two Linear ----
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, din: int, dhidden: int, dout: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(din, rngs=rngs)
+        self.fc1 = nnx.Linear(din, dhidden, rngs=rngs)
+        self.fc2 = nnx.Linear(dhidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(nnx.gelu(self.fc1(self.norm(x))))
+
+
+# ---- factories at a config, with inputs and losses ----
+
+
+def mixer(c: Config = ISSUE) -> MlpMixer:
+    return MlpMixer(c.patch, c.classes, c.layers, c.width, tokens_mlp_dim=c.width // 2, channels_mlp_dim=c.mlp)
+
+
+def vit(c: Config = ISSUE, dropout_rate: float = 0.0) -> VisionTransformer:
+    return VisionTransformer(c.patch, c.classes, c.layers, c.width, c.mlp, c.heads, dropout_rate, dropout_rate)
+
+
+def lm(c: Config = ISSUE, dropout_rate: float = 0.0) -> TransformerLM:
+    return TransformerLM(c.vocab, c.width, c.layers, c.mlp, c.heads, c.length, dropout_rate, deterministic=dropout_rate == 0.0)
+
+
+def nnx_mlp(c: Config = ISSUE, seed: int = 0) -> NnxMlp:
+    return NnxMlp(c.width, c.mlp, c.classes, rngs=nnx.Rngs(seed))
+
+
+def images(c: Config = ISSUE, seed: int = 0) -> jax.Array:
+    """(batch, image, image, 3) float32 normal."""
+    return jax.random.normal(jax.random.key(seed), (c.batch, c.image, c.image, 3), jnp.float32)
+
+
+def labels(c: Config = ISSUE, seed: int = 1) -> jax.Array:
+    """(batch,) int32 class ids."""
+    return jax.random.randint(jax.random.key(seed), (c.batch,), 0, c.classes)
+
+
+def tokens(c: Config = ISSUE, seed: int = 0) -> jax.Array:
+    """(batch, length) int32 in [1, vocab) with the last quarter zero-padded (exercises the mask)."""
+    t = jax.random.randint(jax.random.key(seed), (c.batch, c.length), 1, c.vocab)
+    return t.at[:, 3 * c.length // 4 :].set(0)
+
+
+def features(c: Config = ISSUE, seed: int = 0) -> jax.Array:
+    """(batch, 16, width) float32 normal: the NNX model's input."""
+    return jax.random.normal(jax.random.key(seed), (c.batch, 16, c.width), jnp.float32)
+
+
+def classifier_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross entropy; logits (..., classes), labels (...) int."""
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Next-token cross entropy over non-padding positions (the model shifts its input right)."""
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    weights = (tokens > 0).astype(logp.dtype)
+    return jnp.sum(nll * weights) / jnp.sum(weights)
+
+
+def jitter(params, seed: int = 0, scale: float = 0.05):
+    """``params`` plus small normal noise on every leaf: the published inits zero the heads (and
+    set LayerNorm scales to one), which would make most gradients zero or symmetric in tests."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [p + scale * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
