@@ -17,9 +17,10 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import grid_report  # noqa: E402
+if __package__:  # python -m benchmarks.cifar_grid
+    from benchmarks import grid_report
+else:  # python benchmarks/cifar_grid.py: this file's directory is sys.path[0]
+    import grid_report
 
 # name -> train.cifar flags. The paper's grid (dense; 0.5/16; 0.7 with blocks 4/16/64), 0.9/16, and
 # this project's extensions: every parameter-gradient residual pruned, kept blocks in int8, and

@@ -16,7 +16,6 @@ kept-block FLOPs only; GB/s counts the bytes each variant must read and write at
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -24,11 +23,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+from bsr_jax import backends
+from bsr_jax.format import from_dense
 
-from bsr_jax import backends  # noqa: E402
-from bsr_jax.format import from_dense  # noqa: E402
-from run_info import run_metadata, write_json  # noqa: E402
+if __package__:  # python -m benchmarks.kernels
+    from benchmarks.run_info import run_metadata, write_json
+else:  # python benchmarks/kernels.py: this file's directory is sys.path[0]
+    from run_info import run_metadata, write_json
 
 # name -> (M, K, N): x (M, K), dy (M, N). ResMLP-S12, dim 384, MLP 1536.
 SHAPES = {

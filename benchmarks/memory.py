@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Callable
 
@@ -38,11 +37,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+import bsr_jax
+from bsr_jax.memory import MIB
 
-import bsr_jax  # noqa: E402
-from bsr_jax.memory import MIB  # noqa: E402
-from run_info import run_metadata, write_json  # noqa: E402
+if __package__:  # python -m benchmarks.memory
+    from benchmarks.run_info import run_metadata, write_json
+else:  # python benchmarks/memory.py: this file's directory is sys.path[0]
+    from run_info import run_metadata, write_json
 
 
 class MLPBlock(nn.Module):

@@ -23,4 +23,4 @@ for run in "dense 0.0" "s0.7-b16 0.7"; do
     --workdir "runs/throughput/$1"
 done
 python benchmarks/cifar_grid.py --data-dir "$data" --epochs "$epochs" --seeds 0 1 --out docs/results
-python benchmarks/sensitivity.py --run runs/cifar_grid/dense-seed0 --data-dir "$data" --prune-scale-shift
+python -m benchmarks.sensitivity --run runs/cifar_grid/dense-seed0 --data-dir "$data" --prune-scale-shift

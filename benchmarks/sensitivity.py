@@ -14,7 +14,7 @@ biases, shifts and all input gradients are exact):
 * ``s0.7 stochastic``: one draw of unbiased magnitude-proportional sampling, and the mean of
   ``--draws`` draws (its error shrinks towards 0 as draws grow if the estimate is unbiased).
 
-    python benchmarks/sensitivity.py --run runs/cifar_grid/dense-seed0 --data-dir ../shared/data/cifar10-jpg.tar.gz
+    python -m benchmarks.sensitivity --run runs/cifar_grid/dense-seed0 --data-dir ../shared/data/cifar10-jpg.tar.gz
 """
 
 from __future__ import annotations
@@ -28,14 +28,12 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
-
-from bsr_jax.schedules import prunable_layer_paths  # noqa: E402
-from bsr_jax.sensitivity import gradient_sensitivity, layer_params, relative_error  # noqa: E402
-from run_info import run_metadata, write_json  # noqa: E402
-from train import data, loop, sharding  # noqa: E402
-from train.checkpoint import Checkpoints  # noqa: E402
-from train.config import TrainConfig  # noqa: E402
+from bsr_jax.schedules import prunable_layer_paths
+from bsr_jax.sensitivity import gradient_sensitivity, layer_params, relative_error
+from benchmarks.run_info import run_metadata, write_json
+from train import data, loop, sharding
+from train.checkpoint import Checkpoints
+from train.config import TrainConfig
 
 STORAGE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 
