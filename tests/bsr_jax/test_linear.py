@@ -1,20 +1,27 @@
-"""bsr_linear gradients against dense jax.grad: exact dx/db, masked-dense dW, on every backend."""
+"""bsr_linear on every backend and option against the independent float64 reference (tests/reference.py):
+exact dx/db, masked dW; the forward rule that runs under jax.vjp is bitwise flax's Dense."""
 
+import dataclasses
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+import reference
 from numerics import assert_close_scaled, bf16_exact_normal
 
-from bsr_jax import backends, bsr_linear, from_dense, residual_bytes, xla_backend
+from bsr_jax import Dense, backends, bsr_linear, from_dense, residual_bytes, xla_backend
+
+BACKENDS = ["reference", "xla", "xla-batched", "cpu", "pallas"]
 
 
-@pytest.fixture(params=["reference", "xla", "xla-batched", "cpu"])
+@pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """Every dW path: "xla-batched" forces the xla backend's batched column path, which it otherwise
-    takes only at kept fractions these small test shapes do not reach."""
+    takes only at kept fractions these small test shapes do not reach; "pallas" runs interpreted."""
     if request.param == "xla-batched":
         monkeypatch.setattr(xla_backend, "BATCHED_MAX_KEPT", 1.0)
         monkeypatch.setattr(xla_backend, "BATCHED_MIN_BLOCK", 1)
@@ -22,69 +29,119 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def _loss_of_y(y):
-    # Non-uniform dy so that a wrong dW pairing of rows and columns cannot pass.
-    return jnp.sum(jnp.sin(y.astype(jnp.float32)) * jnp.linspace(-1.0, 1.0, y.shape[-1]))
+@dataclasses.dataclass(frozen=True)
+class Case:
+    shape: tuple[int, ...]  # of x; leading dims are flattened into M
+    n: int
+    dtype: jnp.dtype
+    options: dict  # bsr_linear's pruning keywords besides sparsity=0.6
+    values: str = "bf16-exact"  # "bf16-exact" | "float32" (not bf16-exact) | "heavy-tailed" | "ties"
 
 
-def _dense_grads(x, w, b):
-    return jax.grad(lambda x, w, b: _loss_of_y(x @ w + b), argnums=(0, 1, 2))(x, w, b)
+CASES = {
+    "l2 global 16": Case((4, 16, 48), 40, jnp.float32, dict(block=16)),
+    "l1 column 8x4 padded bf16": Case((3, 13, 37), 19, jnp.bfloat16, dict(block=(8, 4), criterion="l1", selection="column")),
+    "l1 global 4x16": Case((40, 48), 24, jnp.float32, dict(block=(4, 16), criterion="l1")),
+    "l2 column tiny 2x3": Case((13, 11), 12, jnp.float32, dict(block=(2, 3), selection="column")),
+    "ties global 8": Case((32, 40), 16, jnp.float32, dict(block=8), values="ties"),
+    "ties l1 column 8": Case((32, 40), 16, jnp.float32, dict(block=8, criterion="l1", selection="column"), values="ties"),
+    "bfloat16 storage": Case((40, 48), 24, jnp.float32, dict(block=8, storage_dtype="bfloat16"), values="float32"),
+    "int8 storage column 16": Case((48, 64), 20, jnp.float32, dict(block=16, selection="column", storage_dtype="int8"), values="float32"),
+    "fp8 storage 8x16 bf16": Case((40, 48), 24, jnp.bfloat16, dict(block=(8, 16), storage_dtype="float8_e4m3fn")),
+    "stochastic l2 global": Case((40, 48), 24, jnp.float32, dict(block=8, stochastic=True), values="heavy-tailed"),
+    "stochastic l1 column int8": Case((40, 48), 24, jnp.float32, dict(block=(4, 8), criterion="l1", selection="column", stochastic=True, storage_dtype="int8"), values="heavy-tailed"),  # fmt: skip
+    "stochastic l2 global 16 bf16": Case((64, 48), 24, jnp.bfloat16, dict(block=16, stochastic=True), values="heavy-tailed"),
+}
+SPARSITY = 0.6
 
 
-def _masked_reference_dw(x, w, b, **prune):
-    """dW = mask(x).T @ dy, with dy taken at the dense output, in f32 at highest precision."""
-    dy = jax.grad(_loss_of_y)(x @ w + b).reshape(-1, w.shape[1]).astype(jnp.float32)
-    x_kept = from_dense(x.reshape(-1, x.shape[-1]), **prune).to_dense().astype(jnp.float32)
-    return jnp.matmul(x_kept.T, dy, precision="highest")
+def _case_inputs(case: Case, seed: int = 0):
+    """x, w, b and the cotangent dy (bf16-representable except x for "float32"/"heavy-tailed")."""
+    kx, kw, kb, kdy, ks = jax.random.split(jax.random.key(seed), 5)
+    k, m = case.shape[-1], int(np.prod(case.shape[:-1]))
+    if case.values == "ties":
+        # +-1 entries: every block has the same L2 and L1 magnitude, so only the tie rule decides.
+        x = jnp.where(jax.random.bernoulli(kx, 0.5, case.shape), 1.0, -1.0)
+    elif case.values == "bf16-exact":
+        x = bf16_exact_normal(kx, case.shape)
+    else:  # full float32 mantissas, so bfloat16 storage really rounds
+        x = jax.random.normal(kx, case.shape)
+    if case.values == "heavy-tailed":
+        # Block magnitudes spread over e^+-3, so many kept blocks lie above priority sampling's
+        # threshold (rescale 1) and many below it (rescale > 1).
+        block = case.options["block"]
+        bm, bk = (block, block) if isinstance(block, int) else block
+        scales = jnp.exp(1.5 * jax.random.normal(ks, (-(-m // bm), -(-k // bk))))
+        x = x * jnp.repeat(jnp.repeat(scales, bm, 0), bk, 1)[:m, :k].reshape(case.shape)
+    w = bf16_exact_normal(kw, (k, case.n)) * 0.25
+    b = bf16_exact_normal(kb, (case.n,))
+    dy = bf16_exact_normal(kdy, (*case.shape[:-1], case.n))
+    return tuple(a.astype(case.dtype) for a in (x, w, b, dy))
 
 
-def _inputs(shape, n, dtype):
-    kx, kw, kb = jax.random.split(jax.random.key(sum(shape) + n), 3)
-    return (
-        bf16_exact_normal(kx, shape, dtype),
-        bf16_exact_normal(kw, (shape[-1], n), dtype) * 0.3,
-        bf16_exact_normal(kb, (n,), dtype),
-    )
+def _kept(x, options, key, dtype):
+    """The reference's kept (M, K) input for bsr_linear's options, keyed as the op keys from_dense."""
+    x2 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    sampling = reference.op_sampling_key(key) if key is not None else None
+    return reference.kept_input(x2, SPARSITY, options["block"], key=sampling, dtype=dtype, **_without(options, "block", "stochastic"))
+
+
+def _without(options, *names):
+    return {k: v for k, v in options.items() if k not in names}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grads_match_independent_reference(backend, case):
+    case = CASES[case]
+    x, w, b, dy = _case_inputs(case)
+    key = jax.random.key(7) if case.options.get("stochastic") else None
+    layer = functools.partial(bsr_linear, sparsity=SPARSITY, backend=backend, key=key, **case.options)
+    dx, dw, db = jax.jit(lambda x, w, b, dy: jax.vjp(layer, x, w, b)[1](dy))(x, w, b, dy)
+    expected = reference.linear_grads(x, w, dy, _kept(x, case.options, key, case.dtype))
+    assert dx.dtype == dw.dtype == db.dtype == case.dtype
+    assert_close_scaled((dx, dw, db), tuple(jnp.asarray(e, jnp.float32) for e in expected), case.dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("criterion", ["l2", "l1"])
-@pytest.mark.parametrize("selection", ["global", "column"])
-@pytest.mark.parametrize("shape,n,block", [((4, 16, 48), 40, 16), ((3, 13, 37), 19, (8, 4))])
-def test_grads_match_dense_dx_db_and_masked_dw(backend, dtype, criterion, selection, shape, n, block):
-    x, w, b = _inputs(shape, n, dtype)
-    prune = dict(sparsity=0.6, block=block, criterion=criterion, selection=selection)
-    f = lambda x, w, b: _loss_of_y(bsr_linear(x, w, b, backend=backend, **prune))
-    dx, dw, db = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, w, b)
-    f32 = [a.astype(jnp.float32) for a in (x, w, b)]
-    dx_ref, _, db_ref = _dense_grads(*f32)
-    assert dx.dtype == dw.dtype == db.dtype == dtype
-    assert_close_scaled((dx, db, dw), (dx_ref, db_ref, _masked_reference_dw(*f32, **prune)), dtype)
+@pytest.mark.parametrize("sparsity", [0.0, 0.7])
+def test_forward_and_input_grads_under_vjp_are_bitwise_flax_dense(dtype, sparsity):
+    """y (the custom_vjp's forward rule, the one that runs under differentiation), dx and db equal
+    nn.Dense's bit for bit; dW too at sparsity 0."""
+    x = bf16_exact_normal(jax.random.key(0), (4, 16, 48), dtype)
+    dy = bf16_exact_normal(jax.random.key(1), (4, 16, 40), dtype)
+    ours, theirs = Dense(40, sparsity=sparsity, block=8, dtype=dtype), nn.Dense(40, dtype=dtype)
+    params = theirs.init(jax.random.key(2), x)
+    params = jax.tree.map(lambda p: p + bf16_exact_normal(jax.random.key(3), p.shape), params)  # non-zero bias
 
+    def forward_and_grads(module):
+        def run(params, x, dy):
+            y, vjp = jax.vjp(lambda p, x: module.apply(p, x), params, x)
+            return y, vjp(dy)
 
-def test_sparsity_zero_is_dense(backend):
-    x, w, b = _inputs((2, 24, 40), 24, jnp.float32)
-    grads = jax.grad(lambda *a: _loss_of_y(bsr_linear(*a, sparsity=0.0, backend=backend)), argnums=(0, 1, 2))
-    chex.assert_trees_all_close(grads(x, w, b), _dense_grads(x, w, b), atol=1e-6, rtol=1e-6)
+        return jax.jit(run)(params, x, dy)
+
+    (y, (dparams, dx)), (y_ref, (dparams_ref, dx_ref)) = forward_and_grads(ours), forward_and_grads(theirs)
+    chex.assert_trees_all_equal((y, dx, dparams["params"]["bias"]), (y_ref, dx_ref, dparams_ref["params"]["bias"]))
+    if sparsity == 0.0:
+        chex.assert_trees_all_equal(dparams, dparams_ref)
+    else:
+        assert not jnp.array_equal(dparams["params"]["kernel"], dparams_ref["params"]["kernel"])
 
 
 def test_every_block_kept_gives_dense_dw(backend):
-    """The block-sparse path itself (not the sparsity-0 shortcut) with all blocks kept."""
-    x, w, _ = _inputs((40, 48), 24, jnp.float32)
+    """Each backend on a BlockSparse holding every block, against x.T @ dy in float64."""
+    x = bf16_exact_normal(jax.random.key(0), (40, 48))
     dy = bf16_exact_normal(jax.random.key(9), (40, 24))
     bsr = from_dense(x, 0.0, (8, 16))
     dy_padded = jnp.pad(dy, ((0, bsr.padded_shape[0] - 40), (0, 0)))
-    dw = backends.BACKENDS[backend](bsr, dy_padded)[:48]
-    chex.assert_trees_all_close(dw, jnp.matmul(x.T, dy, precision="highest"), atol=1e-5, rtol=1e-5)
-
-
-def test_forward_is_bitwise_dense():
-    x, w, b = _inputs((4, 16, 48), 40, jnp.float32)
-    chex.assert_trees_all_equal(bsr_linear(x, w, b, sparsity=0.9), x @ w + b)
+    dw = jax.jit(backends.BACKENDS[backend])(bsr, dy_padded)[:48]
+    expected = np.asarray(x, np.float64).T @ np.asarray(dy, np.float64)
+    assert_close_scaled(dw, jnp.asarray(expected, jnp.float32), jnp.float32)
 
 
 def test_residuals_hold_no_dense_copy_of_x():
-    x, w, b = _inputs((8, 64, 96), 128, jnp.float32)
+    x = bf16_exact_normal(jax.random.key(0), (8, 64, 96))
+    w, b = jnp.ones((96, 128)), jnp.ones((128,))
     f = jax.jit(lambda w, x: jnp.sum(jnp.sin(bsr_linear(x, w, b, sparsity=0.75, block=16))))
     res = residual_bytes(f, w, x)
     assert all(r.shape != x.shape and r.shape != (512, 96) for r in res.residuals)
@@ -96,9 +153,10 @@ def test_residuals_hold_no_dense_copy_of_x():
 
 
 def test_transformations_jit_vmap_scan_checkpoint_value_and_grad():
-    x, w, b = _inputs((6, 16, 32), 16, jnp.float32)
+    x = bf16_exact_normal(jax.random.key(0), (6, 16, 32))
+    w, b = bf16_exact_normal(jax.random.key(1), (32, 16)), bf16_exact_normal(jax.random.key(2), (16,))
     layer = functools.partial(bsr_linear, sparsity=0.5, block=8, backend="xla")
-    loss = lambda w, x: _loss_of_y(layer(x, w, b))
+    loss = lambda w, x: jnp.sum(jnp.sin(layer(x, w, b)) * jnp.linspace(-1.0, 1.0, 16))
     per_example = jnp.stack([jax.grad(loss)(w, xi) for xi in x])
     chex.assert_trees_all_close(jax.vmap(jax.grad(loss), (None, 0))(w, x), per_example, atol=1e-5, rtol=1e-5)
 
@@ -111,8 +169,8 @@ def test_transformations_jit_vmap_scan_checkpoint_value_and_grad():
 
 
 def test_nan_in_activations_reaches_dw_not_crash():
-    x, w, b = _inputs((32, 32), 8, jnp.float32)
-    x = x.at[3, 3].set(jnp.nan)
+    x = bf16_exact_normal(jax.random.key(0), (32, 32)).at[3, 3].set(jnp.nan)
+    w, b = jnp.ones((32, 8)), jnp.zeros((8,))
     # A linear loss keeps dy finite, so only the NaN input element can reach dW: it ranks first, its
     # block is the one kept, and it poisons exactly the dW row of its input column.
     loss = lambda w: jnp.sum(bsr_linear(x, w, b, sparsity=0.9, block=16) * jnp.linspace(-1.0, 1.0, 8))
@@ -129,7 +187,9 @@ def test_nan_in_activations_reaches_dw_not_crash():
         (dict(sparsity=0.5, block=(16, -1)), "block"),
         (dict(sparsity=0.5, criterion="max"), "criterion"),
         (dict(sparsity=0.5, selection="rows"), "selection"),
+        (dict(sparsity=0.5, storage_dtype="float16"), "storage_dtype"),
         (dict(sparsity=0.5, backend="cuda"), "backend"),
+        (dict(sparsity=0.5, key=jax.random.key(0)), "key is only used with stochastic=True"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -140,10 +200,20 @@ def test_bad_arguments(kwargs, match):
 def test_bad_inputs():
     with pytest.raises(ValueError, match="x must have a floating dtype"):
         bsr_linear(jnp.ones((4, 8), jnp.int32), jnp.ones((8, 2)), sparsity=0.5)
+    with pytest.raises(ValueError, match="w must have a floating dtype"):
+        bsr_linear(jnp.ones((4, 8)), jnp.ones((8, 2), jnp.int32), sparsity=0.5)
     with pytest.raises(ValueError, match="share a dtype"):
         bsr_linear(jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2)), sparsity=0.5)
     with pytest.raises(ValueError, match="expected x"):
         bsr_linear(jnp.ones((4, 8)), jnp.ones((7, 2)), sparsity=0.5)
+
+
+def test_pallas_rejects_blocks_over_128():
+    """Block sides are padded to powers of two for Triton; past 128 the kernel has no tiles."""
+    x, w = jnp.ones((256, 8)), jnp.ones((8, 4))
+    grad = jax.grad(lambda w: jnp.sum(bsr_linear(x, w, sparsity=0.5, block=(200, 8), backend="pallas")))
+    with pytest.raises(ValueError, match=r"block sides must be powers of two in \(4, 8, 16, 32, 64, 128\)"):
+        grad(w)
 
 
 def test_backend_environment_variable(monkeypatch):
@@ -160,8 +230,10 @@ def test_xla_column_path_matches_reference_in_column_groups(monkeypatch, gather_
     monkeypatch.setattr(xla_backend, "GATHER_BYTES", gather_bytes)
     monkeypatch.setattr(xla_backend, "BATCHED_MAX_KEPT", 1.0)
     monkeypatch.setattr(xla_backend, "BATCHED_MIN_BLOCK", 1)
-    x, _, _ = _inputs((37, 45), 24, jnp.float32)
+    x = bf16_exact_normal(jax.random.key(0), (37, 45))
     dy = bf16_exact_normal(jax.random.key(3), (40, 24))
     bsr = from_dense(x, 0.5, 8, selection="column")
     assert bsr.column_count == 3
-    chex.assert_trees_all_close(xla_backend.xla_dw(bsr, dy), backends.reference_dw(bsr, dy), atol=1e-5, rtol=1e-5)
+    kept = reference.kept_input(np.asarray(x), 0.5, 8, selection="column")
+    expected = kept.T @ np.asarray(dy, np.float64)[:37]
+    assert_close_scaled(jax.jit(xla_backend.xla_dw)(bsr, dy)[:45], jnp.asarray(expected, jnp.float32), jnp.float32)
