@@ -1,0 +1,117 @@
+"""ResNet v1.5 presets: exact parameter counts, output shapes, one training step with compression."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import bsr_jax
+from train.resnet import PRESETS, BottleneckResNetBlock, ResNet, ResNet18, ResNetBlock, conv_def
+
+
+def expected_counts(preset: str, stem: str, classes: int, width: int = 64, channels: int = 3) -> tuple[int, int]:
+    """(params, batch_stats) of a ResNet v1.5 from its definition: bias-free convs, BatchNorm with
+    scale and bias (params) and mean and variance (batch_stats), a dense classifier."""
+    conv = lambda k, cin, cout: k * k * cin * cout
+    bottleneck = PRESETS[preset]["block_cls"] is BottleneckResNetBlock
+    convs, norm_channels = conv(7 if stem == "imagenet" else 3, channels, width), width
+    cin = width
+    for i, size in enumerate(PRESETS[preset]["stage_sizes"]):
+        f = width * 2**i
+        cout = 4 * f if bottleneck else f
+        for j in range(size):
+            if bottleneck:
+                convs += conv(1, cin, f) + conv(3, f, f) + conv(1, f, cout)
+                norm_channels += f + f + cout
+            else:
+                convs += conv(3, cin, f) + conv(3, f, f)
+                norm_channels += 2 * f
+            if cin != cout or (i > 0 and j == 0):  # projection shortcut where the shape changes
+                convs += conv(1, cin, cout)
+                norm_channels += cout
+            cin = cout
+    return convs + 2 * norm_channels + cin * classes + classes, 2 * norm_channels
+
+
+def count(tree) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def test_formula_matches_published_counts():
+    # torchvision's resnet18 / resnet50 and the usual CIFAR ResNet-18 (3x3 stem, 10 classes).
+    assert expected_counts("resnet18", "imagenet", 1000)[0] == 11_689_512
+    assert expected_counts("resnet50", "imagenet", 1000)[0] == 25_557_032
+    assert expected_counts("resnet18", "cifar", 10)[0] == 11_173_962
+
+
+@pytest.mark.parametrize(
+    "preset,stem,image,classes",
+    [("resnet18", "imagenet", 224, 1000), ("resnet50", "imagenet", 224, 1000), ("resnet18", "cifar", 32, 10), ("resnet50", "cifar", 32, 100)],
+)
+def test_shapes_and_param_counts(preset, stem, image, classes):
+    model = ResNet(num_classes=classes, stem=stem, **PRESETS[preset])
+    images = jax.ShapeDtypeStruct((2, image, image, 3), jnp.float32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), images)
+    logits = jax.eval_shape(lambda v, x: model.apply(v, x, train=False), variables, images)
+    assert logits.shape == (2, classes) and logits.dtype == jnp.float32
+    params, stats = expected_counts(preset, stem, classes)
+    assert count(variables["params"]) == params
+    assert count(variables["batch_stats"]) == stats
+
+
+def test_unknown_stem_raises():
+    with pytest.raises(ValueError, match="stem must be one of"):
+        ResNet18(num_classes=10, stem="tiny").init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
+
+
+def _tiny(compression):
+    # Two stages, so a strided block with a projection shortcut is included; ResNet-18's blocks.
+    return ResNet(stage_sizes=(1, 1), block_cls=ResNetBlock, num_classes=10, num_filters=4, stem="cifar", conv=conv_def(compression))
+
+
+def _loss(model, params, batch_stats, images, labels):
+    logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images, mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates["batch_stats"]
+
+
+def test_one_training_step_with_pooled_convs():
+    images = jax.random.normal(jax.random.key(0), (4, 16, 16, 3))
+    labels = jnp.arange(4) % 10
+    dense, pooled = _tiny(None), _tiny(bsr_jax.Pooling(factor=2))
+    variables = jax.jit(dense.init)(jax.random.key(1), images)
+    chex.assert_trees_all_equal_shapes(variables, jax.eval_shape(pooled.init, jax.random.key(1), images))
+    optimizer = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, batch_stats, images):
+        grad = lambda m: jax.grad(_loss, argnums=(1, 3), has_aux=True)(m, params, batch_stats, images, labels)
+        (g_dense, dx_dense), stats_dense = grad(dense)
+        (g, dx), stats = grad(pooled)
+        updates, _ = optimizer.update(g, optimizer.init(params))
+        new_params = optax.apply_updates(params, updates)
+        losses = _loss(pooled, params, batch_stats, images, labels)[0], _loss(pooled, new_params, stats, images, labels)[0]
+        return g, g_dense, dx, dx_dense, stats, stats_dense, losses
+
+    g, g_dense, dx, dx_dense, stats, stats_dense, (before, after) = step(variables["params"], variables["batch_stats"], images)
+    chex.assert_trees_all_equal(stats, stats_dense)  # the forward pass is dense in both
+    chex.assert_trees_all_close(dx, dx_dense, atol=1e-6, rtol=1e-5)  # every input gradient is exact
+    # Only weight gradients differ. At initialisation every block's last BatchNorm scale is zero,
+    # so the blocks' convs get no gradient yet and the stem conv shows the difference.
+    stem = lambda g: g["conv_init"]["kernel"]
+    assert not np.allclose(stem(g), stem(g_dense), atol=1e-4)
+    assert jnp.isfinite(after) and after < before
+
+
+def test_pooled_convs_keep_fewer_residual_bytes():
+    images = jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32)
+    variables = jax.eval_shape(_tiny(None).init, jax.random.key(1), images)
+    labels = jnp.zeros(8, jnp.int32)
+
+    def activations(compression):
+        loss = lambda p, stats, x: _loss(_tiny(compression), p, stats, x, labels)[0]
+        return bsr_jax.residual_bytes(loss, variables["params"], variables["batch_stats"], images).activations
+
+    # Conv inputs are a minority of what BatchNorm and ReLU keep, so the saving is partial (docs/conv.md).
+    assert activations(bsr_jax.Pooling(factor=2)) < 0.9 * activations(None)
