@@ -18,12 +18,14 @@ class Checkpoints:
     """Checkpoints under ``directory`` (one sub-directory per step), the newest ``keep`` kept.
 
     Saves are synchronous: the next train step donates (overwrites) the state's buffers, so a save
-    must not read them in the background.
+    must not read them in the background. ``directory`` is created by the first save, so a run that
+    fails before one leaves no empty checkpoint directory behind.
     """
 
     def __init__(self, directory: str, keep: int = 2):
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+        self._directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(self._directory, options=options)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -31,6 +33,7 @@ class Checkpoints:
     def save(self, step: int, state: Any) -> None:
         """Write ``state`` as checkpoint ``step`` (a no-op if that step is already saved)."""
         if step not in self._manager.all_steps():
+            os.makedirs(self._directory, exist_ok=True)
             self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
     def restore(self, like: Any, step: int | None = None) -> Any:

@@ -5,24 +5,34 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from train import run_dir
 from train.config import TrainConfig, UsageError, parse
 
 
 def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str], argv: Sequence[str] | None) -> int:
     """Run one training; returns the process exit code.
 
-    0 when the run finished, 2 (with the message on stderr, no traceback) when the data cannot be
-    found or a flag is invalid, 128 + signal number when SIGINT/SIGTERM stopped it (after a
-    checkpoint; ``--resume`` continues it).
+    0 when the run finished (or had finished before ``--resume``), 2 with a one-line message on
+    stderr (no traceback) when a flag is invalid or the data cannot be found, read or downloaded,
+    128 + signal number when SIGINT/SIGTERM stopped it (after a checkpoint; ``--resume``
+    continues it).
     """
-    config, workdir = parse(prog, description, defaults, datasets, argv)
+    config, workdir, overrides = parse(prog, description, defaults, datasets, argv)
+    if config.resume:
+        done = run_dir.finished_at(workdir, config.steps, config.epochs)
+        if done is not None:
+            print(f"{prog}: the run in {workdir} already finished at step {done}; nothing to do "
+                  f"(raise --epochs or --steps to train further)")  # fmt: skip
+            return 0
+        if overrides:
+            print(f"{prog}: resuming {workdir} with its config.json, changing {', '.join(overrides)}")
     # Imported after parsing, so --help and flag errors do not wait for JAX to start.
-    from train.data import DataNotFoundError
+    from train.data import DataError
     from train.loop import train_and_evaluate
 
     try:
         result = train_and_evaluate(config, workdir)
-    except (DataNotFoundError, UsageError) as error:
+    except (DataError, UsageError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]

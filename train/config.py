@@ -1,8 +1,12 @@
 """The training configuration: one frozen dataclass, and the argparse parser both CLIs share.
 
 Each CLI passes its own defaults (``CIFAR_DEFAULTS``, ``IMAGENET_DEFAULTS``) to ``build_parser``;
-``config_from_args`` turns the parsed flags into a ``TrainConfig``. Flags map one to one onto
-fields (``--batch-size`` -> ``batch_size``).
+``parse`` turns the flags into a ``TrainConfig``. Flags map one to one onto fields
+(``--batch-size`` -> ``batch_size``). With ``--resume`` the run's own ``config.json`` is the
+config: flags that repeat it are fine, flags that change it are an error, except the
+``RESUME_OVERRIDES``, which are applied and reported.
+
+Nothing here imports JAX, so ``--help`` and flag errors answer at once.
 """
 
 from __future__ import annotations
@@ -12,18 +16,63 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from bsr_jax.format import STORAGE_DTYPES
-from train.models import PRESETS
+from train import run_dir
 
 DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
 OPTIMIZERS = ("adamw", "lamb")
 DTYPES = ("float32", "bfloat16")
 AUGMENTS = ("cifar", "imagenet", "none")
+# The names of train.models.PRESETS and the library's option lists (bsr_jax.format's CRITERIA,
+# SELECTIONS, STORAGE_DTYPES, bsr_jax.backends.BACKENDS), repeated so that flags are checked
+# without importing JAX; tests/train/test_cli.py checks that they match.
+MODELS = ("tiny", "s12", "s24", "b24")
+CRITERIA = ("l2", "l1")
+SELECTIONS = ("global", "column")
+STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
+BACKENDS = ("cpu", "xla", "pallas", "reference")
+# What a resumed run may change: where it stops, where its data and logs are, how it computes
+# dW (all backends agree to float rounding). --epochs also stretches the learning-rate schedule.
+RESUME_OVERRIDES = ("steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
+                    "data_dir", "cache_dir", "backend")  # fmt: skip
 
 
 class UsageError(ValueError):
     """A run cannot start as configured (e.g. a batch that does not divide over the devices); the
     message is meant for the user, and the CLIs print it without a traceback."""
+
+
+class InvalidSetting(UsageError):
+    """A ``TrainConfig`` field outside its allowed values; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line (``PROG: argument --flag: why (see --help)``), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+_NOT_GIVEN = object()
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):  # layer rules
+        return " ".join(f"{pattern}={sparsity}" for pattern, sparsity in value) or "none"
+    return str(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,10 +126,14 @@ class TrainConfig:
         checks = {
             "dataset": (self.dataset in DATASETS, f"one of {DATASETS}"),
             "augment": (self.augment in AUGMENTS, f"one of {AUGMENTS}"),
-            "model": (self.model in PRESETS, f"one of {tuple(PRESETS)}"),
+            "model": (self.model in MODELS, f"one of {MODELS}"),
             "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
             "optimizer": (self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
             "sparsity": (0.0 <= self.sparsity < 1.0, "in [0, 1)"),
+            "block": (self.block >= 1, ">= 1"),
+            "criterion": (self.criterion in CRITERIA, f"one of {CRITERIA}"),
+            "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
+            "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
             "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
             "sparsity_warmup_epochs": (self.sparsity_warmup_epochs >= 0, ">= 0"),
             "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
@@ -99,12 +152,29 @@ class TrainConfig:
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
     def to_json(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
         fields["layer_sparsity"] = [list(rule) for rule in self.layer_sparsity]
         return fields
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> TrainConfig:
+        """The inverse of ``to_json``; unknown fields raise ``UsageError`` naming them."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UsageError(f"unknown settings {unknown} (written by another version of train?)")
+        return cls(**{**fields, "layer_sparsity": tuple(map(tuple, fields.get("layer_sparsity", ())))})
+
+    def resume_conflicts(self, saved: TrainConfig) -> list[str]:
+        """``--flag VALUE (the run has SAVED)`` for each setting that differs from ``saved`` and is
+        not in ``RESUME_OVERRIDES``: continuing with it would mix two trainings."""
+        return [
+            f"{_flag(name)} {_show(getattr(self, name))} (the run has {_show(getattr(saved, name))})"
+            for name in _field_names()
+            if name not in (*RESUME_OVERRIDES, "resume") and getattr(self, name) != getattr(saved, name)
+        ]
 
 
 CIFAR_DEFAULTS = TrainConfig()
@@ -161,11 +231,13 @@ _HELP = {
     "batch_size": "global training batch, split over all devices",
     "eval_batch_size": "global evaluation batch",
     "seed": "seed of initialisation, data order and augmentation",
-    "steps": "stop after this many steps in total (smoke runs); the schedule still spans --epochs",
+    "steps": "stop after this many steps in total (quick runs); the schedule still spans --epochs",
     "log_every": "steps between metric lines",
     "checkpoint_every": "steps between checkpoints (one is also written at the end and on SIGINT/SIGTERM)",
     "keep_checkpoints": "checkpoints kept in WORKDIR/checkpoints",
-    "resume": "continue from the last checkpoint in --workdir (same data order, bit-for-bit)",
+    "resume": "continue the run in --workdir from its last checkpoint with its config.json (same data order, "
+    "bit-for-bit); other flags must match it, except "
+    + ", ".join(_flag(n) for n in RESUME_OVERRIDES),
 }
 
 
@@ -173,32 +245,32 @@ def build_parser(
     prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str] = DATASETS
 ) -> argparse.ArgumentParser:
     """An argparse parser with one flag per ``TrainConfig`` field plus ``--workdir``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--workdir", default=f"runs/{prog.split('.')[-1]}", help="where metrics, config and checkpoints go")
     choices = {
         "dataset": tuple(datasets),
         "augment": AUGMENTS,
-        "model": tuple(PRESETS),
+        "model": MODELS,
         "dtype": DTYPES,
         "optimizer": OPTIMIZERS,
-        "criterion": ("l2", "l1"),
-        "selection": ("global", "column"),
+        "criterion": CRITERIA,
+        "selection": SELECTIONS,
         "storage_dtype": STORAGE_DTYPES,
+        "backend": BACKENDS,
     }
     parser.add_argument("--layer-sparsity", type=_layer_rule, action="append", default=list(defaults.layer_sparsity),
                         metavar="PATTERN=VALUE", help=_HELP["layer_sparsity"])
     for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
         if field.name == "layer_sparsity":
             continue
         if field.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[field.name])
+            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=default, help=_HELP[field.name])
             continue
         kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
-        parser.add_argument(flag, type=kind, default=default, choices=choices.get(field.name), help=_HELP[field.name])
+        parser.add_argument(_flag(field.name), type=kind, default=default, choices=choices.get(field.name), help=_HELP[field.name])
     return parser
 
 
@@ -213,20 +285,37 @@ def _layer_rule(text: str) -> tuple[str, float]:
     return pattern, sparsity
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The ``TrainConfig`` of parsed flags; invalid values raise ``ValueError`` naming the flag's field."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    values["layer_sparsity"] = tuple(values["layer_sparsity"])
-    return TrainConfig(**values)
-
-
 def parse(
     prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str], argv: Sequence[str] | None = None
-) -> tuple[TrainConfig, str]:
-    """Parse ``argv`` into ``(config, workdir)``; bad values exit with argparse's usage error (code 2)."""
+) -> tuple[TrainConfig, str, list[str]]:
+    """Parse ``argv`` into ``(config, workdir, notes)``.
+
+    With ``--resume`` and a ``config.json`` in the workdir, the config is the saved one with the
+    flags given on the command line applied; ``notes`` says which ``RESUME_OVERRIDES`` changed.
+    Bad values, and flags that would change a resumed run's settings, exit with argparse's usage
+    error (code 2).
+    """
     parser = build_parser(prog, description, defaults, datasets)
-    args = parser.parse_args(argv)
+    # Parsed into a namespace that already holds every field, so it ends up holding only the flags
+    # given (argparse fills in defaults only for names it does not find); layer rules accumulate.
+    given = vars(parser.parse_args(argv, argparse.Namespace(**{n: _NOT_GIVEN for n in _field_names()} | {"layer_sparsity": []})))
+    workdir = given.pop("workdir")
+    given = {n: tuple(v) if n == "layer_sparsity" else v for n, v in given.items() if v is not _NOT_GIVEN and v != []}
+    saved = run_dir.read_saved(workdir) if given.get("resume") else None
     try:
-        return config_from_args(args), args.workdir
-    except ValueError as error:
-        parser.error(str(error))
+        if saved is None:
+            return dataclasses.replace(defaults, **given), workdir, []
+        saved_config = TrainConfig.from_json(saved["config"])
+        config = dataclasses.replace(saved_config, **given)
+    except InvalidSetting as error:
+        where = f"{run_dir.config_path(workdir)}: " if saved else f"argument {_flag(error.field)}: "
+        parser.error(where + str(error))
+    except UsageError as error:
+        parser.error(f"{run_dir.config_path(workdir)}: {error}")
+    conflicts = config.resume_conflicts(saved_config)
+    if conflicts:
+        parser.error(f"{workdir} was trained with other settings; to resume it, drop {'; '.join(conflicts)}. "
+                     "To train these settings, pass another --workdir")  # fmt: skip
+    notes = [f"{_flag(n)} {_show(getattr(saved_config, n))} -> {_show(getattr(config, n))}"
+             for n in RESUME_OVERRIDES if getattr(config, n) != getattr(saved_config, n)]  # fmt: skip
+    return config, workdir, notes

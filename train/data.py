@@ -2,16 +2,18 @@
 
 `load_split` finds a split in this order (the first hit wins):
   1. local files under `data_dir` and `data_dir/downloads/manual` (tfds' manual_dir), or, without
-     `data_dir`, under `$TFDS_DATA_DIR/downloads/manual` (default ~/tensorflow_datasets): the CIFAR
-     python archives (cifar-10-python.tar.gz, cifar-100-python.tar.gz or their extracted
-     directories), the ImageNet tars ILSVRC2012_img_{train,val}.tar, or an image folder
-     <root>/{train,test}/<class>/<image> as a directory or a .tar/.tar.gz (details and naming
-     rules in `train.data_sources`);
-  2. tensorflow-datasets: `tfds.data_source(name, data_dir=data_dir)` (array_record, read without
-     TensorFlow) when the dataset is prepared there (default data_dir: tfds' own). Preparing or
-     downloading through tfds needs TensorFlow, an optional extra: it is attempted only when
-     TensorFlow is installed.
-Otherwise `DataNotFoundError` says where it looked and how to provide the data.
+     `data_dir`, under `$TFDS_DATA_DIR/downloads/manual` (default ~/tensorflow_datasets) and
+     `<cache_dir>/downloads`: the CIFAR python archives (cifar-10-python.tar.gz,
+     cifar-100-python.tar.gz or their extracted directories), the ImageNet tars
+     ILSVRC2012_img_{train,val}.tar, or an image folder <root>/{train,test}/<class>/<image> as a
+     directory or a .tar/.tar.gz (details and naming rules in `train.data_sources`);
+  2. a dataset prepared by tensorflow-datasets (array_record, read without TensorFlow) in
+     `data_dir` or tfds' data dir, when tensorflow-datasets is installed (the `tfds` extra) and
+     that directory has a folder for the dataset;
+  3. CIFAR-10/100 without `data_dir`: downloaded from its canonical URL into
+     `<cache_dir>/downloads` (`train.download`), where step 1 finds it next time.
+Otherwise `DataNotFoundError` says where it looked and how to provide the data; an archive that
+cannot be read or downloaded raises `DataError` naming the file or URL.
 
 A split is decoded once and cached as uint8 arrays under `cache_dir` (default $BSR_JAX_CACHE or
 ~/.cache/bsr_jax), keyed by the source's paths, sizes and mtimes (`Source.fingerprint`); nothing
@@ -26,20 +28,26 @@ crop), evaluation takes the central `image_size` square (the usual resize-256 / 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import importlib.util
 import os
+import pickle
 import queue
+import tarfile
 import threading
+import zlib
 from typing import Any, Callable, Iterator, Literal
 
 import jax
 import numpy as np
+from PIL import UnidentifiedImageError
 from tqdm import tqdm
 
 from train import augment as aug
 from train.data_cache import CacheWriter, CachedSplit, cache_name, read_cache, resolve_cache_dir
 from train.data_decode import CHUNK, Chunk, decode_chunks, stored_size
-from train.data_sources import ILSVRC_TARS, SPLIT_DIRS, Source, find_local_source, read_source
+from train.data_sources import ILSVRC_TARS, SPLIT_DIRS, DataError, Source, find_local_source, read_source, tfds_data_dir
+from train.download import CIFAR_ARCHIVES, MIRROR_VAR, download_cifar
 
 DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
 # Per-channel mean and std of the training pixels in [0, 1].
@@ -56,8 +64,12 @@ MEAN_STD = {
 _PERMUTATION_STREAM, _AUGMENT_STREAM = 0, 1
 
 
-class DataNotFoundError(Exception):
+class DataNotFoundError(DataError):
     """No data for the requested split; the message lists every place looked at and the remedies."""
+
+
+# What reading a truncated or corrupt archive, pickle or image raises.
+_UNREADABLE = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, pickle.UnpicklingError, UnidentifiedImageError)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,6 +127,7 @@ def load_split(
 
     Raises:
       DataNotFoundError: nothing found; the message says where it looked and what to provide.
+      DataError: the data found cannot be read, or the CIFAR download failed.
     """
     if dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
@@ -125,11 +138,23 @@ def load_split(
     if dataset == "imagenet2012" and image_size is None:
         raise ValueError("image_size is required for imagenet2012 (its images vary in size), e.g. 224")
     cache_root = resolve_cache_dir(cache_dir)
-    source, looked = find_local_source(dataset, data_dir)
-    if source is not None:
-        cached = _load_local(source, dataset, split, image_size, cache_root)
-    else:
+    downloads = os.path.join(cache_root, "downloads")
+    source, looked = find_local_source(dataset, data_dir, downloads)
+    tfds_dir = os.path.join(data_dir or tfds_data_dir(), dataset)
+    has_tfds = importlib.util.find_spec("tensorflow_datasets") is not None
+    if source is None and has_tfds and os.path.isdir(tfds_dir):
         cached = _load_tfds(dataset, split, data_dir, image_size, cache_root, looked)
+    else:
+        if source is None and dataset in CIFAR_ARCHIVES and data_dir is None:
+            try:
+                source = Source("cifar_python", download_cifar(dataset, downloads))
+            except DataError as error:
+                raise DataError(f"{error}. Without network, download it elsewhere and pass --data-dir "
+                                f"with the file (or set ${MIRROR_VAR} to a mirror)") from None  # fmt: skip
+        if source is None:
+            reason = f"no {tfds_dir}" if has_tfds else "tensorflow-datasets is not installed"
+            raise DataNotFoundError(_not_found_message(dataset, split, looked, reason))
+        cached = _load_local(source, dataset, split, image_size, cache_root)
     mean, std = MEAN_STD[dataset]
     return ArrayDataset(cached.images, cached.labels, cached.meta["num_classes"], mean, std)
 
@@ -146,15 +171,19 @@ def _load_local(
         chunks = read_source(source, split, classes)
         name_of = lambda s: cache_name({**description, "split": s})  # noqa: E731
         meta = {"dataset": dataset, "source": source.path}
-        _decode_to_cache(chunks, classes, image_size, cache_root, name_of, meta)
+        try:
+            _decode_to_cache(chunks, classes, image_size, cache_root, name_of, meta)
+        except _UNREADABLE as error:
+            raise DataError(f"cannot read {source.path}: {type(error).__name__}: {error} "
+                            "(a truncated or corrupt file? replace it, or point --data-dir elsewhere)") from None  # fmt: skip
         cached = read_cache(cache_root, name)
     if cached is None:
-        dirs = "/".join(SPLIT_DIRS[split])
-        raise DataNotFoundError(
-            f"Found {dataset} data ({source.kind}) at {source.path}, but it has no '{split}' split "
-            f"(an image folder needs a {dirs} directory next to train/; ImageNet needs "
-            f"{ILSVRC_TARS[split]}). Add it or point --data-dir elsewhere."
-        )
+        if source.kind == "ilsvrc":
+            wanted = f"ImageNet needs {ILSVRC_TARS[split]} there"
+        else:
+            wanted = f"an image folder needs {' or '.join(d + '/<class>/<image>' for d in SPLIT_DIRS[split])}"
+        raise DataNotFoundError(f"{source.path} ({dataset}) has no '{split}' images: {wanted}, with at least one "
+                                "image. Add them or point --data-dir elsewhere.")  # fmt: skip
     return cached
 
 
@@ -191,20 +220,14 @@ def _load_tfds(
     cache_root: str,
     looked: list[str],
 ) -> CachedSplit:
-    can_prepare = _tensorflow_installed()
-    if dataset == "imagefolder":
-        raise DataNotFoundError(_not_found_message(dataset, split, looked, "not a tfds dataset", can_prepare))
     import tensorflow_datasets as tfds  # lazy: importing tfds costs about a second
 
     tfds_split = "validation" if dataset == "imagenet2012" and split == "test" else split
     try:
-        source = tfds.data_source(
-            dataset, split=tfds_split, data_dir=data_dir, download=can_prepare,
-            builder_kwargs={"file_format": "array_record"} if can_prepare else None,
-        )  # fmt: skip
+        source = tfds.data_source(dataset, split=tfds_split, data_dir=data_dir, download=False)
     except Exception as error:  # noqa: BLE001 - tfds raises many types; all mean "not available here"
         reason = _tfds_reason(tfds, dataset, data_dir, error)
-        raise DataNotFoundError(_not_found_message(dataset, split, looked, reason, can_prepare)) from None
+        raise DataNotFoundError(_not_found_message(dataset, split, looked, reason)) from None
     info = source.dataset_info
     where = str(info.data_dir)
     paths = sorted(os.path.join(where, n) for n in os.listdir(where)) if os.path.isdir(where) else []
@@ -219,11 +242,6 @@ def _load_tfds(
         _decode_to_cache(_tfds_chunks(source, split), classes, image_size, cache_root, lambda _: name, meta)
         cached = read_cache(cache_root, name)
     return cached
-
-
-def _tensorflow_installed() -> bool:
-    """tfds downloads and prepares datasets only with TensorFlow (optional extra, not a dependency)."""
-    return importlib.util.find_spec("tensorflow") is not None
 
 
 def _tfds_chunks(source: Any, split: str) -> Iterator[Chunk]:
@@ -245,9 +263,7 @@ def _tfds_reason(tfds: Any, dataset: str, data_dir: str | None, error: Exception
         return first_line
 
 
-def _not_found_message(
-    dataset: str, split: str, looked: list[str], tfds_reason: str, can_prepare: bool
-) -> str:
+def _not_found_message(dataset: str, split: str, looked: list[str], tfds_reason: str) -> str:
     cifar = "the {} python archive {} (https://www.cs.toronto.edu/~kriz/cifar.html), its directory or {}/, "
     provide = {
         "cifar10": cifar.format("CIFAR-10", "cifar-10-python.tar.gz", "its extracted cifar-10-batches-py"),
@@ -256,20 +272,12 @@ def _not_found_message(
         "(tfds' manual_dir layout; <dir>/downloads/manual also works), ",
         "imagefolder": "",
     }[dataset]
-    if dataset == "imagefolder":
-        tfds_hint = ""
-    elif can_prepare:
-        tfds_hint = f" TensorFlow is installed, yet tensorflow-datasets could not download or prepare {dataset}."
-    else:
-        tfds_hint = (
-            f" Or prepare it with tensorflow-datasets, which needs TensorFlow (an optional extra, not installed: "
-            f"pip install tensorflow; then tfds build {dataset} --file_format=array_record) and pass its data directory as --data-dir."
-        )
+    download = " (without --data-dir, CIFAR is downloaded)" if dataset in CIFAR_ARCHIVES else ""
     return (
         f"No {dataset} '{split}' data found. Looked at: {'; '.join(looked)}; tfds: {tfds_reason}. "
         f"To provide it, pass --data-dir with {provide}or an image folder <root>/train/<class>/*.jpg and "
         f"<root>/test/<class>/*.jpg as a directory or a .tar/.tar.gz archive (<root> may be one level down "
-        f"inside it; labels are the alphabetical class index).{tfds_hint}"
+        f"inside it; labels are the alphabetical class index){download}."
     )
 
 

@@ -1,7 +1,8 @@
 """Offline dataset sources: where they are looked for under a data directory, and how they are read.
 
 Three local formats, found in this order in each searched directory R (R = --data-dir, then
-R/downloads/manual, tfds' manual_dir; without --data-dir only the latter under tfds' data dir):
+R/downloads/manual, tfds' manual_dir; without --data-dir the latter under tfds' data dir, then the
+directory CIFAR archives are downloaded to, <cache dir>/downloads):
   1. the CIFAR python release: R/cifar-10-batches-py/ or R/cifar-10-python.tar.gz
      (cifar-100-python/, cifar-100-python.tar.gz), or R itself being one of these;
   2. the ImageNet release as tfds' manual_dir holds it: R/ILSVRC2012_img_train.tar and
@@ -51,6 +52,10 @@ _PROGRESS_BYTES = 16 << 20
 _PROGRESS_FILES = 4096
 
 
+class DataError(Exception):
+    """Data that cannot be found, read or downloaded; the message names the file and says why."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     """A located dataset. kind: "cifar_python" | "ilsvrc" | "image_folder"; path: file or directory;
@@ -86,11 +91,16 @@ class Source:
         return [[p, s.st_size, s.st_mtime_ns] for p, s in zip(paths, stats)]
 
 
-def find_local_source(dataset: str, data_dir: str | None) -> tuple[Source | None, list[str]]:
-    """First local source of `dataset` (see module docstring) and the list of places looked at."""
+def tfds_data_dir() -> str:
+    """tensorflow-datasets' default data directory: $TFDS_DATA_DIR, else ~/tensorflow_datasets."""
+    return os.path.expanduser(os.environ.get("TFDS_DATA_DIR") or os.path.join("~", "tensorflow_datasets"))
+
+
+def find_local_source(dataset: str, data_dir: str | None, downloads: str) -> tuple[Source | None, list[str]]:
+    """First local source of `dataset` (see module docstring) and the list of places looked at;
+    `downloads` is where downloaded archives are kept (searched without `data_dir`)."""
     if data_dir is None:
-        tfds_dir = os.environ.get("TFDS_DATA_DIR") or os.path.join("~", "tensorflow_datasets")
-        roots = [os.path.join(os.path.expanduser(tfds_dir), "downloads", "manual")]
+        roots = [os.path.join(tfds_data_dir(), "downloads", "manual"), downloads]
     else:
         data_dir = os.path.abspath(os.path.expanduser(data_dir))
         roots = [data_dir, os.path.join(data_dir, "downloads", "manual")]
@@ -185,7 +195,7 @@ def _read_cifar_python(path: str, split: str, classes: list[str]) -> Iterator[Ch
                     found[name] = pickle.load(tar.extractfile(member), encoding="bytes")
     missing = sorted(set(wanted) - set(found))
     if missing:
-        raise ValueError(f"{path} is not a complete CIFAR python release: missing {missing}")
+        raise DataError(f"{path} is not a complete CIFAR python release: missing {missing}")
     classes.extend(n.decode() for n in found[meta_file][names_key])
     # Fixed file order (tar order is arbitrary) so train is data_batch_1..5, as tfds has it.
     for name in [f for f, s in wanted.items() if s != "meta"]:
@@ -225,6 +235,8 @@ def _read_ilsvrc(root: str, split: str, classes: list[str]) -> Iterator[Chunk]:
 def _tfds_imagenet_file(name: str) -> list[str]:
     """Lines of tfds' bundled ImageNet metadata (found without importing tfds)."""
     spec = importlib.util.find_spec("tensorflow_datasets")
+    if spec is None:
+        raise DataError("labelling the ILSVRC tars needs tensorflow-datasets' metadata: pip install -e '.[tfds]'")
     package = list(spec.submodule_search_locations)[0]
     with open(os.path.join(package, "datasets", "imagenet2012", name)) as f:
         return f.read().split()
@@ -265,7 +277,7 @@ def _read_folder_archive(path: str, classes: list[str]) -> Iterator[Chunk]:
         if top is None:
             top = prefix
         elif prefix != top:
-            raise ValueError(f"{path} holds several image folders ({top!r} and {prefix!r}); keep one")
+            raise DataError(f"{path} holds several image folders ({top!r} and {prefix!r}); keep one")
         split_dir, class_name = rest[0], rest[1]
         seen_classes.add(class_name)
         chunk = pending.setdefault(split_dir, Chunk(split_dir, [], []))

@@ -13,18 +13,22 @@ printed and appended as JSON lines to ``WORKDIR/metrics.jsonl``:
   rate, step time, images/s, and the device's peak bytes where the backend reports them (GPU);
 * ``{"kind": "eval", ...}`` after every epoch and at the end: test loss and accuracy.
 
+The run ends with a summary (``train.metrics.run_summary``), printed and returned.
 ``WORKDIR/config.json`` holds the config and run facts; ``WORKDIR/checkpoints`` the Orbax
 checkpoints (every ``checkpoint_every`` steps, at the end, and on SIGINT/SIGTERM, after which the
-run stops cleanly). A NaN or infinite loss stops the run with ``FloatingPointError``.
+run stops within one step). A NaN or infinite loss stops the run with ``FloatingPointError``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from tqdm import tqdm
 
-from train import data, metrics, sharding
+from train import data, metrics, run_dir, sharding
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
 from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
@@ -72,6 +76,11 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
         dtype=jnp.bfloat16 if config.dtype == "bfloat16" else None,
         **preset,
     )
+
+
+def dense_counterpart(config: TrainConfig) -> TrainConfig:
+    """``config`` with nothing pruned or compressed: the baseline its residual memory is compared to."""
+    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, stochastic=False)
 
 
 def learning_rate_schedule(config: TrainConfig, steps_per_epoch: int) -> optax.Schedule:
@@ -156,9 +165,14 @@ def make_eval_step(model: nn.Module, mesh):
     return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=rep)
 
 
-def evaluate(eval_step, params, batches: Iterator[dict], mesh) -> dict[str, float]:
+def evaluate(eval_step, params, batches: Iterator[dict], mesh, num_batches: int, stop: _StopRequest | None = None):
+    """``{"test_loss", "test_accuracy"}`` over ``batches``, with a progress bar; None when ``stop``
+    was requested on the way (the evaluation is abandoned: a resumed run redoes it)."""
     totals = None
-    for batch in data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh)):
+    batches = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
+    for batch in tqdm(batches, total=num_batches, desc="evaluating", unit="batch", leave=False, disable=None):
+        if stop is not None and stop.signal is not None:
+            return None
         out = eval_step(params, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     totals = jax.device_get(totals)
@@ -178,7 +192,9 @@ class _StopRequest:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
-        metrics.say(f"{signal.Signals(signum).name}: saving a checkpoint and stopping after this step")
+        metrics.say(f"{signal.Signals(signum).name}: stopping after the step in flight, then saving a checkpoint "
+                    "(an evaluation under way is dropped and redone by --resume; a second signal quits at once, "
+                    "without a checkpoint)")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -203,23 +219,34 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
 
     Returns:
       ``{"memory", "train", "eval"}`` (the last record of each kind; "train" and "eval" are absent
-      when no step ran), ``"step"`` reached, and ``"stopped_by"``: the signal number that stopped
-      the run early, or None.
+      when no step ran), ``"step"`` reached, ``"stopped_by"``: the signal number that stopped the
+      run early, or None, and ``"summary"`` (``train.metrics.run_summary``). A resumed run that had
+      already finished returns ``{"step", "stopped_by": None, "summary": None}`` and writes nothing.
 
     Raises:
-      train.data.DataNotFoundError: the dataset cannot be found (its message says where it looked).
-      train.config.UsageError: workdir holds checkpoints but ``config.resume`` is false, or a batch
-        size does not divide over the devices.
+      train.data.DataError: the dataset cannot be found, read or downloaded (the message says why).
+      train.config.UsageError: workdir holds checkpoints but ``config.resume`` is false; a resumed
+        run's settings differ from its config.json; a batch size does not divide over the devices.
       FloatingPointError: the loss became NaN or infinite.
     """
+    started = time.perf_counter()
+    saved = run_dir.read_saved(workdir)
+    if not config.resume and run_dir.latest_checkpoint_step(workdir) is not None:
+        raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
+    if config.resume and saved is not None:
+        done = run_dir.finished_at(workdir, config.steps, config.epochs)
+        if done is not None:
+            metrics.say(f"the run in {workdir} already finished at step {done}")
+            return {"step": done, "stopped_by": None, "summary": None}
+        conflicts = config.resume_conflicts(TrainConfig.from_json(saved["config"]))
+        if conflicts:
+            raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
     os.makedirs(workdir, exist_ok=True)
     mesh = sharding.make_mesh()
     for name, size in (("batch_size", config.batch_size), ("eval_batch_size", config.eval_batch_size)):
         if size % mesh.devices.size:
             raise UsageError(f"{name} must be a multiple of the {mesh.devices.size} devices, got {size}")
-    checkpoints = Checkpoints(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
-    if checkpoints.latest_step() is not None and not config.resume:
-        raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
+    checkpoints = Checkpoints(run_dir.checkpoint_dir(workdir), config.keep_checkpoints)
 
     # ------------------------------------------------------------------ data
     # CIFAR and pad-crop augmentation use images at their stored size; otherwise the data layer
@@ -235,7 +262,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
                          "and augment 'cifar' keeps their size: pass --image-size to match, or --augment imagenet")  # fmt: skip
     steps_per_epoch = data.steps_per_epoch(train_data, config.batch_size)
     total_steps = config.epochs * steps_per_epoch
-    stop_step = min(config.steps or total_steps, total_steps)
+    stop_step = run_dir.stop_step(config.steps, config.epochs, steps_per_epoch)
 
     # ------------------------------------------------------------------ model, optimizer, state
     model = create_model(config, train_data.num_classes)
@@ -266,7 +293,9 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     train_steps = {1.0: compile_step(1.0)}
     eval_step = make_eval_step(model, mesh)
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    if jax.process_index() == 0:
+    # A resumed run keeps its config.json, rewritten only for changed RESUME_OVERRIDES.
+    fresh = saved is None or not config.resume
+    if jax.process_index() == 0 and (fresh or {**config.to_json(), "resume": saved["config"]["resume"]} != saved["config"]):
         run = dict(
             devices=mesh.devices.size,
             platform=jax.default_backend(),
@@ -276,58 +305,81 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
             train_examples=len(train_data),
             test_examples=len(test_data),
         )
-        with open(os.path.join(workdir, "config.json"), "w") as f:
+        with open(run_dir.config_path(workdir), "w") as f:
             json.dump({"config": config.to_json(), "run": run}, f, indent=2)
-    memory = metrics.memory_report(model, loss_fn, train_steps[1.0], state, image_shape, mesh)
+    dense = dense_counterpart(config)
+    dense_loss = loss_function(create_model(dense, train_data.num_classes), train_data.num_classes, config.label_smoothing)
+    memory = metrics.memory_report(model, loss_fn, train_steps[1.0], state, image_shape, mesh, dense_loss_fn=dense_loss)
     log({"step": start_step, **memory})
     metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
 
     # ------------------------------------------------------------------ train
     result: dict[str, Any] = {"memory": memory}
-    step = start_step
     interval: list[dict] = []  # metrics of the steps since the last record
     timer = metrics.StepTimer()
-    with _stop_on_signals() as stop, tqdm(total=stop_step, initial=start_step, unit="step", disable=None) as bar:
+    evaluated = {r["step"] for r in run_dir.read_records(workdir) if r.get("kind") == "eval"}
+    eval_batches = math.ceil(len(test_data) / config.eval_batch_size)
+
+    def eval_due(step: int) -> bool:
+        return step % steps_per_epoch == 0 or step == stop_step
+
+    def run_eval(step: int, stop: _StopRequest) -> None:
+        test_batches = data.eval_batches(test_data, config.eval_batch_size, image_size=crop)
+        scores = evaluate(eval_step, state["params"], test_batches, mesh, eval_batches, stop)
+        if scores is not None:
+            result["eval"] = {"kind": "eval", "step": step, "epoch": step / steps_per_epoch, **scores}
+            log(result["eval"])
+
+    step = start_step
+    with _stop_on_signals() as stop, contextlib.closing(_batches_from(step, steps_per_epoch, train_data, config, crop, mesh)) as batches, \
+            tqdm(total=stop_step, initial=start_step, unit="step", desc="training", disable=None) as bar:  # fmt: skip
+        if start_step > 0 and eval_due(start_step) and start_step not in evaluated:  # stopped during that evaluation
+            run_eval(start_step, stop)
         while step < stop_step and stop.signal is None:
-            epoch, start_batch = divmod(step, steps_per_epoch)
-            batches = data.train_batches(
-                train_data, config.batch_size, seed=config.seed, epoch=epoch, start_batch=start_batch,
-                augment=config.augment, image_size=crop,
-            )  # fmt: skip
-            batches = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
-            for batch in batches:
-                level = warmup_fraction(step, warmup_steps=warmup_steps)
-                if level not in train_steps:
-                    train_steps[level] = compile_step(level)
-                state, step_metrics = train_steps[level](state, batch)
-                step += 1
-                interval.append(step_metrics)
-                bar.update(1)
-                if step == start_step + 1:  # the first step's time includes warm-up: not timed
-                    jax.block_until_ready(step_metrics)
-                    timer.restart()
-                else:
-                    timer.steps += 1
-                end_of_epoch = step % steps_per_epoch == 0 or step == stop_step
-                if step % config.log_every == 0 or end_of_epoch or stop.signal is not None:
-                    result["train"] = metrics.train_record(interval, timer, step, steps_per_epoch, config.batch_size)
-                    log(result["train"])
-                    bar.set_postfix(loss=f"{result['train']['loss']:.3f}")
-                    interval = []
-                if step % config.checkpoint_every == 0 or step == stop_step or stop.signal is not None:
-                    checkpoints.save(step, state)
-                if end_of_epoch:
-                    result["eval"] = {"kind": "eval", "step": step, "epoch": step / steps_per_epoch}
-                    test_batches = data.eval_batches(test_data, config.eval_batch_size, image_size=crop)
-                    result["eval"].update(evaluate(eval_step, state["params"], test_batches, mesh))
-                    log(result["eval"])
-                if not interval:  # a record was written: time from here, without logging/saving/eval
-                    timer.restart()
-                if step >= stop_step or stop.signal is not None:
-                    break
+            level = warmup_fraction(step, warmup_steps=warmup_steps)
+            if level not in train_steps:
+                train_steps[level] = compile_step(level)
+            state, step_metrics = train_steps[level](state, next(batches))
+            # Waiting for each step keeps one step in flight: a signal stops the run within one
+            # step's time, and the bar counts finished steps (the batches are prefetched meanwhile).
+            interval.append(jax.device_get(step_metrics))
+            step += 1
+            if step == start_step + 1:  # the first step's time includes warm-up: not timed
+                timer.restart()
+            else:
+                timer.steps += 1
+            bar.set_postfix(loss=f"{interval[-1]['loss']:.3f}", images_per_s=f"{timer.images_per_s(config.batch_size):.0f}", refresh=False)
+            bar.update(1)
+            if step % config.log_every == 0 or eval_due(step) or stop.signal is not None:
+                result["train"] = metrics.train_record(interval, timer, step, steps_per_epoch, config.batch_size)
+                log(result["train"])
+                interval = []
+            if step % config.checkpoint_every == 0 or step == stop_step or stop.signal is not None:
+                checkpoints.save(step, state)
+            if eval_due(step) and stop.signal is None:
+                run_eval(step, stop)
+            if not interval:  # a record was written: time from here, without logging/saving/eval
+                timer.restart()
     checkpoints.save(step, state)
     checkpoints.close()
     if stop.signal is not None:
         metrics.say(f"stopped by {signal.Signals(stop.signal).name} at step {step}; continue with --resume")
     result.update(step=step, stopped_by=stop.signal)
+    result["summary"] = metrics.run_summary(
+        workdir, run_dir.read_records(workdir), step=step, stop_step=stop_step, stopped_by=stop.signal,
+        wall_time_s=time.perf_counter() - started, checkpoint=os.path.join(run_dir.checkpoint_dir(workdir), str(step)),
+    )  # fmt: skip
     return result
+
+
+def _batches_from(step: int, steps_per_epoch: int, train_data: data.ArrayDataset, config: TrainConfig, crop, mesh) -> Iterator[dict]:
+    """Device-placed training batches from global step ``step`` on, epoch after epoch."""
+    epoch, start_batch = divmod(step, steps_per_epoch)
+    while True:
+        batches = data.train_batches(
+            train_data, config.batch_size, seed=config.seed, epoch=epoch, start_batch=start_batch,
+            augment=config.augment, image_size=crop,
+        )  # fmt: skip
+        with contextlib.closing(data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))) as placed:
+            yield from placed
+        epoch, start_batch = epoch + 1, 0

@@ -6,7 +6,8 @@ Memory figures are per device and computed from shapes, before the first step:
 shrink); ``compiled_peak_mib``/``compiled_temp_mib`` come from XLA's ``memory_analysis`` of the
 compiled step (on CPU a secondary figure, see docs/memory.md); ``kept_block_fraction`` is the
 fraction of activation blocks the pruned layers really keep (capacities round up, at least one
-block). On GPU/TPU, train records add ``device_peak_mib`` from the device's memory stats.
+block); ``dense_residual_activation_mib`` is the residual figure with nothing pruned.
+On GPU/TPU, train records add ``device_peak_mib`` from the device's memory stats.
 """
 
 from __future__ import annotations
@@ -49,19 +50,29 @@ def kept_block_fraction(model: nn.Module, params: Any, images: jax.ShapeDtypeStr
     return kept / total if total else 1.0
 
 
-def memory_report(model, loss_fn, compiled_step, state: dict[str, Any], batch_shape: tuple[int, ...], mesh) -> dict[str, Any]:
-    """Per-device memory figures of one training step (computed from shapes; nothing runs)."""
+def memory_report(
+    model, loss_fn, compiled_step, state: dict[str, Any], batch_shape: tuple[int, ...], mesh, *, dense_loss_fn
+) -> dict[str, Any]:
+    """Per-device memory figures of one training step (computed from shapes; nothing runs).
+
+    ``dense_loss_fn``: the same loss with nothing pruned, for ``dense_residual_activation_mib``.
+    """
     per_device = (batch_shape[0] // mesh.devices.size, *batch_shape[1:])
     images = jax.ShapeDtypeStruct(per_device, jnp.float32)
     labels = jax.ShapeDtypeStruct(per_device[:1], jnp.int32)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state["params"])
     rng = jax.random.key(0)  # for stochastic pruning; the residuals' shapes do not depend on it
-    residuals = bsr_jax.residual_bytes(lambda p, x, y: loss_fn(p, {"image": x, "label": y}, rng)[0], params, images, labels)
+
+    def residual_mib(loss) -> float:
+        kept = bsr_jax.residual_bytes(lambda p, x, y: loss(p, {"image": x, "label": y}, rng)[0], params, images, labels)
+        return (kept.activations + kept.inputs) / MIB
+
     compiled = bsr_jax.CompiledMemory.of(compiled_step)
     return {
         "kind": "memory",
         "per_device_batch": per_device[0],
-        "residual_activation_mib": (residuals.activations + residuals.inputs) / MIB,
+        "residual_activation_mib": residual_mib(loss_fn),
+        "dense_residual_activation_mib": residual_mib(dense_loss_fn),
         "compiled_peak_mib": compiled.peak / MIB,
         "compiled_temp_mib": compiled.temp / MIB,
         "kept_block_fraction": kept_block_fraction(model, params, images),
@@ -116,6 +127,10 @@ class StepTimer:
     def restart(self) -> None:
         self.start, self.steps = time.perf_counter(), 0
 
+    def images_per_s(self, batch_size: int) -> float:
+        """Throughput of the timed steps (0 before any), assuming they have finished."""
+        return batch_size * self.steps / (time.perf_counter() - self.start) if self.steps else 0.0
+
 
 def train_record(interval: list[dict], timer: StepTimer, step: int, steps_per_epoch: int, batch_size: int) -> dict:
     """Mean metrics of the steps since the last record; raises on a non-finite loss."""
@@ -133,3 +148,55 @@ def train_record(interval: list[dict], timer: StepTimer, step: int, steps_per_ep
     if peak is not None:
         record["device_peak_mib"] = peak
     return record
+
+
+def run_summary(
+    workdir: str,
+    records: list[dict[str, Any]],
+    *,
+    step: int,
+    stop_step: int,
+    stopped_by: int | None,
+    wall_time_s: float,
+    checkpoint: str,
+) -> dict[str, Any]:
+    """What a finished or stopped run achieved, from its ``metrics.jsonl`` records; printed as a block.
+
+    Returns ``{"step", "stop_step", "stopped_by", "wall_time_s", "final_test_accuracy",
+    "best_test_accuracy", "best_epoch", "residual_activation_mib", "dense_residual_activation_mib",
+    "checkpoint", "plot_command"}``; the accuracies are None when no evaluation ran.
+    """
+    evals = [r for r in records if r.get("kind") == "eval"]
+    memory = [r for r in records if r.get("kind") == "memory"][-1]
+    best = max(evals, key=lambda r: r["test_accuracy"], default=None)
+    summary = {
+        "step": step,
+        "stop_step": stop_step,
+        "stopped_by": stopped_by,
+        "wall_time_s": wall_time_s,
+        "final_test_accuracy": evals[-1]["test_accuracy"] if evals else None,
+        "best_test_accuracy": best["test_accuracy"] if best else None,
+        "best_epoch": best["epoch"] if best else None,
+        "residual_activation_mib": memory["residual_activation_mib"],
+        "dense_residual_activation_mib": memory["dense_residual_activation_mib"],
+        "checkpoint": checkpoint,
+        "plot_command": f"python -m train.plot {workdir}",
+    }
+    status = f"{step} of {stop_step}"
+    if stopped_by is not None:
+        status += f", stopped by signal {stopped_by}: continue with --resume"
+    accuracy = "not evaluated yet"
+    if evals:
+        accuracy = (f"{summary['final_test_accuracy']:.4f} final, {summary['best_test_accuracy']:.4f} best "
+                    f"(epoch {best['epoch']:.3g})")  # fmt: skip
+    residual, dense = summary["residual_activation_mib"], summary["dense_residual_activation_mib"]
+    say("\n".join([
+        f"run summary ({workdir})",
+        f"  steps            {status}",
+        f"  wall time        {wall_time_s:.0f} s (this session, data loading and compilation included)",
+        f"  test accuracy    {accuracy}",
+        f"  residual memory  {residual:.2f} MiB per device, {residual / dense:.0%} of dense ({dense:.2f} MiB)",
+        f"  checkpoint       {checkpoint}",
+        f"  plot             {summary['plot_command']}  (writes {os.path.join(workdir, 'curves.png')})",
+    ]))  # fmt: skip
+    return summary

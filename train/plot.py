@@ -1,15 +1,15 @@
 """Loss and test-accuracy curves of several runs in one PNG.
 
-    python -m train.plot runs/tiny_dense runs/tiny_s0.7 --out curves.png
+    python -m train.plot runs/tiny_dense runs/tiny_s0.7      # writes runs/tiny_dense/curves.png
 
 Reads each WORKDIR/metrics.jsonl (written by ``train.loop``); a run is labelled by its directory
-name. Curves are drawn against epochs, so runs with different batch sizes line up.
+name. Curves are drawn against epochs, so runs with different batch sizes line up. The PNG goes to
+the first WORKDIR unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -19,21 +19,14 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
-
-def read_metrics(workdir: str) -> list[dict]:
-    """The records of ``workdir/metrics.jsonl``; ``FileNotFoundError`` names the missing file."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no metrics in {workdir}: {path} does not exist")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from train.run_dir import read_records
 
 
 def plot_runs(workdirs: Sequence[str], out: str) -> None:
     """Train loss (left), test loss (middle) and test accuracy (right) of each run, in ``out``."""
     fig, (ax_loss, ax_test_loss, ax_acc) = plt.subplots(1, 3, figsize=(15, 4.5))
     for workdir in workdirs:
-        records = read_metrics(workdir)
+        records = read_records(workdir)
         label = os.path.basename(os.path.normpath(workdir))
         train = [r for r in records if r.get("kind") == "train"]
         evals = [r for r in records if r.get("kind") == "eval"]
@@ -56,14 +49,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="train.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="run directories holding metrics.jsonl")
-    parser.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
+    parser.add_argument("--out", help="PNG to write (default: FIRST_WORKDIR/curves.png)")
     args = parser.parse_args(argv)
+    out = args.out or os.path.join(args.workdirs[0], "curves.png")
     try:
-        plot_runs(args.workdirs, args.out)
+        plot_runs(args.workdirs, out)
     except FileNotFoundError as error:
         print(f"train.plot: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,10 +1,15 @@
-"""The CLIs as a user runs them: --help, flag errors, missing data, a smoke run end to end, plots."""
+"""The CLIs as a user runs them: --help, flag errors, resume, no network, a smoke run end to end,
+SIGINT, plots. Subprocess tests assert exit codes and the exact stderr lines."""
 
 import dataclasses
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,17 +21,35 @@ from train.config import CIFAR_DEFAULTS, IMAGENET_DEFAULTS, TrainConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_cli(module: str, *args: str, home) -> subprocess.CompletedProcess:
-    """``python -m module args`` from the repository root, with HOME and tfds' dir under ``home``."""
-    env = {
-        **os.environ,
-        "HOME": str(home / "home"),
-        "TFDS_DATA_DIR": str(home / "tfds"),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-    }
+def cli_env(home, **extra: str) -> dict[str, str]:
+    """The environment of a CLI subprocess: HOME and tfds' dir under ``home``, CPU only."""
+    env = {**os.environ, "HOME": str(home / "home"), "TFDS_DATA_DIR": str(home / "tfds"), "JAX_PLATFORMS": "cpu", **extra}
     env.pop("BSR_JAX_CACHE", None)
-    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    return env
+
+
+def run_cli(module: str, *args: str, home, **env: str) -> subprocess.CompletedProcess:
+    """``python -m module args`` from the repository root (see ``cli_env``)."""
+    return subprocess.run([sys.executable, "-m", module, *args], env=cli_env(home, **env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+
+
+def test_option_lists_match_the_library_and_the_models():
+    from bsr_jax import backends, format as bsr_format
+    from train.models import PRESETS
+
+    assert config_lib.MODELS == tuple(PRESETS)
+    assert set(config_lib.STORAGE_DTYPES) == set(bsr_format.STORAGE_DTYPES)
+    assert set(config_lib.CRITERIA) == set(bsr_format.CRITERIA)
+    assert set(config_lib.SELECTIONS) == set(bsr_format.SELECTIONS)
+    assert set(config_lib.BACKENDS) == set(backends.BACKENDS)
+
+
+def test_the_cli_modules_do_not_import_jax():
+    # --help and flag errors are answered before train.cli imports the training code.
+    code = "import sys, train.cifar, train.imagenet, train.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'bsr_jax'}))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("defaults", [CIFAR_DEFAULTS, IMAGENET_DEFAULTS])
@@ -42,7 +65,7 @@ def test_help_documents_every_flag_with_its_default(defaults):
 
 
 def test_flags_become_the_frozen_config():
-    config, workdir = config_lib.parse(
+    config, workdir, notes = config_lib.parse(
         "train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS,
         ["--sparsity", "0.7", "--block", "8", "--model", "s12", "--dataset", "cifar100", "--steps", "5",
          "--sparse-head", "--dtype", "bfloat16", "--workdir", "w"],
@@ -50,13 +73,13 @@ def test_flags_become_the_frozen_config():
     assert config == dataclasses.replace(
         CIFAR_DEFAULTS, sparsity=0.7, block=8, model="s12", dataset="cifar100", steps=5, sparse_head=True, dtype="bfloat16"
     )
-    assert workdir == "w"
+    assert workdir == "w" and notes == []
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.sparsity = 0.5
 
 
 def test_pruning_extension_flags():
-    config, _ = config_lib.parse(
+    config, _, _ = config_lib.parse(
         "train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS,
         ["--sparsity", "0.7", "--storage-dtype", "int8", "--stochastic", "--sparsity-warmup-epochs", "2",
          "--layer-sparsity", "block0/*=0", "--layer-sparsity", "*/fc2=0.9", "--prune-scale-shift"],
@@ -71,7 +94,7 @@ def test_pruning_extension_flags():
         (["--layer-sparsity", "fc2"], "expected PATTERN=VALUE"),
         (["--layer-sparsity", "*/fc2=x"], "expected PATTERN=VALUE"),
         (["--layer-sparsity", "*/fc2=1.0"], "layer_sparsity must be PATTERN=VALUE rules with VALUE in [0, 1)"),
-        (["--storage-dtype", "int4"], "argument --storage-dtype: invalid choice: 'int4'"),
+        (["--storage-dtype", "int3"], "argument --storage-dtype: invalid choice: 'int3'"),
     ],
 )
 def test_bad_pruning_extension_flags(flags, message, capsys):
@@ -81,67 +104,180 @@ def test_bad_pruning_extension_flags(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_bad_flag_values_exit_with_a_usage_error(capsys):
+def test_bad_flag_values_exit_with_one_line_naming_the_flag(capsys):
+    for flags, message in (
+        (["--sparsity", "1.5"], "train.cifar: argument --sparsity: sparsity must be in [0, 1), got 1.5 (see --help)"),
+        (["--block", "0"], "train.cifar: argument --block: block must be >= 1, got 0 (see --help)"),
+        (["--backend", "gpu"], "train.cifar: argument --backend: invalid choice: 'gpu' (choose from 'cpu', 'xla', "
+                               "'pallas', 'reference') (see --help)"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, flags)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [message]
+
+
+def _saved_run(workdir, **fields) -> TrainConfig:
+    """A config.json as a run writes it (settings and run facts; 5 steps per epoch)."""
+    saved = dataclasses.replace(CIFAR_DEFAULTS, **fields)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps({"config": saved.to_json(), "run": {"steps_per_epoch": 5}}))
+    return saved
+
+
+def test_resume_uses_the_runs_config_json(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    saved = _saved_run(workdir, sparsity=0.7, model="tiny", epochs=10, data_dir="../data.tar.gz", layer_sparsity=(("*/fc2", 0.9),))
+    parse = lambda *flags: config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, ["--workdir", str(workdir), "--resume", *flags])  # noqa: E731
+    # No flags repeated: the run's settings, not the defaults.
+    assert parse() == (dataclasses.replace(saved, resume=True), str(workdir), [])
+    # Flags equal to config.json (as benchmarks/cifar_grid.py passes them) are fine.
+    same = ["--model", "tiny", "--epochs", "10", "--seed", "0", "--sparsity", "0.70", "--data-dir", "../data.tar.gz",
+            "--layer-sparsity", "*/fc2=0.9"]  # fmt: skip
+    assert parse(*same)[0] == dataclasses.replace(saved, resume=True)
+    # The documented overrides apply and are reported.
+    config, _, notes = parse("--steps", "130", "--epochs", "20")
+    assert (config.steps, config.epochs, config.sparsity) == (130, 20, 0.7)
+    assert notes == ["--steps None -> 130", "--epochs 10 -> 20"]
+    # Anything else that differs is an error naming each flag, on one line.
     with pytest.raises(SystemExit) as exit_info:
-        config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, ["--sparsity", "1.5"])
+        parse("--sparsity", "0.5", "--model", "s12", "--no-stochastic")
     assert exit_info.value.code == 2
-    assert "sparsity must be in [0, 1), got 1.5" in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"train.cifar: {workdir} was trained with other settings; to resume it, drop ")
+    assert "--model s12 (the run has tiny); --sparsity 0.5 (the run has 0.7)" in lines[0] and "stochastic" not in lines[0]
 
 
-def test_missing_data_is_one_clear_message(tmp_path):
-    empty = tmp_path / "nothing_here"
-    empty.mkdir()
-    done = run_cli("train.cifar", "--data-dir", str(empty), "--workdir", str(tmp_path / "run"), home=tmp_path)
+def test_download_failure_is_one_line_and_leaves_no_checkpoints(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        mirror = f"http://127.0.0.1:{s.getsockname()[1]}/"  # closed once the socket is: connection refused
+    done = run_cli("train.cifar", "--sparsity", "0.7", "--workdir", str(tmp_path / "run"), home=tmp_path, BSR_JAX_CIFAR_MIRROR=mirror)
     assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    message = [line for line in done.stderr.splitlines() if line.startswith("train.cifar: ")]
-    assert len(message) == 1 and str(empty) in message[0] and "--data-dir" in message[0]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"train.cifar: could not download CIFAR-10 from {mirror}cifar-10-python.tar.gz: ")
+    assert "--data-dir" in lines[0]
+    assert os.listdir(tmp_path / "run") == []  # no empty checkpoints/ either
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """``python -m train.cifar --steps 3`` on a generated CIFAR-10-style image folder."""
-    tmp = tmp_path_factory.mktemp("smoke")
+def smoke_data(tmp_path_factory):
+    """A CIFAR-10-style image folder of 32x32 PNGs: 40 train, 12 test."""
+    from PIL import Image
+
+    tmp = tmp_path_factory.mktemp("smoke_data")
     rng = np.random.default_rng(0)
     for split, count in (("train", 40), ("test", 12)):
         for i in range(count):
-            folder = tmp / "data" / "cifar10" / split / f"class{i % 10}"
+            folder = tmp / "cifar10" / split / f"class{i % 10}"
             folder.mkdir(parents=True, exist_ok=True)
-            from PIL import Image
-
             Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
-    workdir = tmp / "run"
-    done = run_cli(
-        "train.cifar", "--data-dir", str(tmp / "data"), "--cache-dir", str(tmp / "cache"), "--workdir", str(workdir),
-        "--steps", "3", "--batch-size", "8", "--eval-batch-size", "4", "--dim", "16", "--depth", "1",
-        "--sparsity", "0.7", "--block", "16", "--log-every", "1", home=tmp,
-    )  # fmt: skip
+    return tmp
+
+
+def smoke_flags(data_dir, workdir, *extra: str) -> list[str]:
+    return ["--data-dir", str(data_dir), "--cache-dir", str(data_dir / "cache"), "--workdir", str(workdir),
+            "--batch-size", "8", "--eval-batch-size", "4", "--dim", "16", "--depth", "1",
+            "--sparsity", "0.7", "--block", "16", "--log-every", "1", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smoke_run(smoke_data, tmp_path_factory):
+    """``python -m train.cifar --steps 3`` on the generated image folder."""
+    workdir = tmp_path_factory.mktemp("smoke") / "run"
+    done = run_cli("train.cifar", *smoke_flags(smoke_data, workdir, "--steps", "3"), home=smoke_data)
     return done, workdir
 
 
-def test_smoke_run_writes_metrics_config_and_checkpoint(smoke_run):
+def test_smoke_run_writes_metrics_config_checkpoint_and_a_summary(smoke_run):
     done, workdir = smoke_run
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ""  # progress bars are off without a terminal
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]
     assert kinds == ["memory", "train", "train", "train", "eval"]
     assert all(np.isfinite(r["loss"]) for r in records if r["kind"] == "train")
     assert 0.0 <= records[-1]["test_accuracy"] <= 1.0 and records[-1]["step"] == 3
     assert "images_per_s" in records[2] and records[0]["kept_block_fraction"] < 0.35
+    assert records[0]["residual_activation_mib"] < records[0]["dense_residual_activation_mib"]
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["config"]["sparsity"] == 0.7 and saved["run"]["train_examples"] == 40
     assert os.listdir(workdir / "checkpoints") == ["3"]
-    assert "test_accuracy=" in done.stdout
+    summary = done.stdout[done.stdout.index(f"run summary ({workdir})"):].splitlines()
+    accuracy = f"{records[-1]['test_accuracy']:.4f}"
+    assert summary[1:] == [
+        "  steps            3 of 3",
+        summary[2],  # wall time
+        f"  test accuracy    {accuracy} final, {accuracy} best (epoch 0.6)",
+        summary[4],  # residual memory
+        f"  checkpoint       {workdir}/checkpoints/3",
+        f"  plot             python -m train.plot {workdir}  (writes {workdir}/curves.png)",
+    ]
+    ratio = records[0]["residual_activation_mib"] / records[0]["dense_residual_activation_mib"]
+    assert summary[4].startswith(f"  residual memory  {records[0]['residual_activation_mib']:.2f} MiB per device, {ratio:.0%} of dense")
 
 
-def test_plot_draws_several_runs(smoke_run, tmp_path):
+def _snapshot(workdir) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in sorted(workdir.rglob("*"))}
+
+
+def test_resume_keeps_settings_refuses_changes_and_knows_when_it_is_done(smoke_run, smoke_data, tmp_path):
+    _, finished = smoke_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    before = _snapshot(workdir)
+    changed = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--sparsity", "0.5", home=smoke_data)
+    assert changed.returncode == 2 and len(changed.stderr.splitlines()) == 1, changed.stderr
+    assert "--sparsity 0.5 (the run has 0.7)" in changed.stderr
+    done = run_cli("train.cifar", "--workdir", str(workdir), "--resume", home=smoke_data)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout == f"train.cifar: the run in {workdir} already finished at step 3; nothing to do (raise --epochs or --steps to train further)\n"
+    assert _snapshot(workdir) == before  # neither touched anything
+    # Only --resume and --steps: the run's sparsity 0.7 continues, not the default 0.
+    more = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--steps", "5", home=smoke_data)
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert f"train.cifar: resuming {workdir} with its config.json, changing --steps 3 -> 5" in more.stdout
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert records[-1]["kind"] == "eval" and records[-1]["step"] == 5
+    assert records[-2]["kind"] == "train" and [r for r in records if r["kind"] == "memory"][-1]["kept_block_fraction"] < 0.35
+    saved = json.loads((workdir / "config.json").read_text())["config"]
+    assert (saved["sparsity"], saved["steps"]) == (0.7, 5)
+
+
+def test_sigint_stops_within_a_step_with_a_checkpoint(smoke_data, tmp_path):
+    workdir = tmp_path / "run"
+    flags = smoke_flags(smoke_data, workdir)  # 100 epochs of 5 steps: far longer than the test
+    process = subprocess.Popen([sys.executable, "-m", "train.cifar", *flags], env=cli_env(smoke_data), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines = []
+    while sum("kind=train" in line for line in lines) < 3:  # training is under way
+        lines.append(process.stdout.readline())
+        assert lines[-1], "".join(lines) + process.stderr.read()
+    sent = time.perf_counter()
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    elapsed = time.perf_counter() - sent
+    assert process.returncode == 128 + signal.SIGINT, stdout + stderr
+    assert stderr == ""
+    assert "SIGINT: stopping after the step in flight, then saving a checkpoint" in stdout
+    stopped = int(stdout.split("stopped by SIGINT at step ")[1].split(";")[0])
+    assert os.listdir(workdir / "checkpoints") == [str(stopped)]
+    assert "continue with --resume" in stdout and "run summary" in stdout
+    assert elapsed < 15, elapsed  # steps of this model take milliseconds; the rest is the checkpoint
+
+
+def test_plot_draws_several_runs_into_the_first_workdir(smoke_run, tmp_path):
     _, workdir = smoke_run
     other = tmp_path / "other"
     other.mkdir()
     records = [{"kind": "train", "step": s, "epoch": s / 4, "loss": 2.0 / s} for s in range(1, 9)]
     records += [{"kind": "eval", "step": s, "epoch": s / 4, "test_loss": 1.0, "test_accuracy": s / 10} for s in (4, 8)]
     (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    out = tmp_path / "curves.png"
-    assert plot.main([str(workdir), str(other), "--out", str(out)]) == 0
+    first = tmp_path / "first"
+    shutil.copytree(workdir, first)
+    assert plot.main([str(first), str(other)]) == 0
+    out = first / "curves.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    assert plot.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert plot.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")]) == 2

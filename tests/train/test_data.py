@@ -136,11 +136,30 @@ def test_image_sizes_must_agree_unless_image_size(isolated_env, fake_data):
     assert loaded.images.shape == (2, 8, 8, 3)  # stored side round(7 / 0.875) = 8
 
 
-def test_missing_split_is_reported(isolated_env, fake_data):
+def test_missing_split_or_empty_class_folders_are_reported(isolated_env, fake_data):
     root = isolated_env / "imgs"
     fake_data.write_image_folder(str(root), {"train": [("a", np.zeros((4, 4, 3), np.uint8))]})
-    with pytest.raises(data.DataNotFoundError, match="no 'test' split"):
+    with pytest.raises(data.DataNotFoundError, match=f"^{root} \\(imagefolder\\) has no 'test' images: an image "
+                       "folder needs test/<class>/<image> or val/"):  # fmt: skip
         data.load_split("imagefolder", "test", data_dir=str(root), cache_dir=str(isolated_env / "c"))
+    empty = isolated_env / "empty_classes"
+    for split_dir in ("train/a", "train/b", "test/a"):
+        (empty / split_dir).mkdir(parents=True)
+    with pytest.raises(data.DataNotFoundError, match="has no 'train' images: an image folder needs train/<class>/<image>"):
+        data.load_split("imagefolder", "train", data_dir=str(empty), cache_dir=str(isolated_env / "c"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_gzip"])
+def test_unreadable_archive_is_one_error_naming_the_file(isolated_env, fake_data, damage):
+    rng = np.random.default_rng(0)
+    split = fake_data.random_split(rng, 10, 10, size=32)
+    archive = fake_data.write_cifar_python(str(isolated_env), "cifar10", split, split, archive=True)
+    content = open(archive, "rb").read()
+    with open(archive, "wb") as f:
+        f.write(content[: len(content) // 2] if damage == "truncated" else b"not an archive" * 100)
+    with pytest.raises(data.DataError, match=f"^cannot read {archive}: .*truncated or corrupt") as info:
+        data.load_split("cifar10", "train", data_dir=archive, cache_dir=str(isolated_env / "c"))
+    assert "\n" not in str(info.value)
 
 
 # ----------------------------------------------------------------------------- ImageNet (ILSVRC tars)
@@ -192,20 +211,14 @@ def test_ilsvrc_tars_in_manual_dir(isolated_env, fake_data):
 def test_tfds_data_source_under_mock_data(isolated_env):
     tfds = pytest.importorskip("tensorflow_datasets")
     cache = str(isolated_env / "cache")
+    for name in ("cifar10", "imagenet2012"):  # tfds is asked only when its data dir has the dataset
+        (isolated_env / "tfds" / name).mkdir(parents=True)
     with tfds.testing.mock_data(num_examples=6):
         train = data.load_split("cifar10", "train", cache_dir=cache)
         imagenet = data.load_split("imagenet2012", "test", cache_dir=cache, image_size=14)
     assert train.images.shape == (6, 32, 32, 3) and train.num_classes == 10
     assert 0 <= train.labels.min() and train.labels.max() < 10
     assert imagenet.images.shape == (6, 16, 16, 3) and imagenet.num_classes == 1000
-
-
-def test_tfds_download_path_when_tensorflow_is_installed(isolated_env, monkeypatch):
-    tfds = pytest.importorskip("tensorflow_datasets")
-    monkeypatch.setattr(data, "_tensorflow_installed", lambda: True)
-    with tfds.testing.mock_data(num_examples=3):  # mocks download_and_prepare too
-        loaded = data.load_split("cifar100", "test", cache_dir=str(isolated_env / "cache"))
-    assert loaded.images.shape == (3, 32, 32, 3) and loaded.num_classes == 100
 
 
 # ----------------------------------------------------------------------------- cache
@@ -251,7 +264,7 @@ def test_not_found_message_lists_places_and_remedies(isolated_env):
     message = str(info.value)
     assert "\n" not in message  # one paragraph
     for expected in (str(empty / "cifar-10-batches-py"), str(empty / "cifar-10-python.tar.gz"),
-                     str(empty / "downloads" / "manual"), "image folder", "tfds", "TensorFlow", "--data-dir"):  # fmt: skip
+                     str(empty / "downloads" / "manual"), "image folder", "tfds", "CIFAR is downloaded", "--data-dir"):  # fmt: skip
         assert expected in message, expected
     assert os.listdir(empty) == []  # tfds did not create anything there
     with pytest.raises(data.DataNotFoundError, match="does not exist"):
