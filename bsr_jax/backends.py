@@ -46,7 +46,18 @@ def cpu_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
     return cpu_kernels.bsr_t_matmul(bsr.values, bsr.block_rows, bsr.col_ptr, dy)
 
 
-BACKENDS: dict[str, DwBackend] = {"reference": reference_dw, "xla": xla_dw, "cpu": cpu_dw, "pallas": pallas_dw}
+def _dense_when_full(sparse_dw: DwBackend) -> DwBackend:
+    # Every block kept (sparsity 0 with a storage dtype): a sparse kernel has nothing to skip, and
+    # no indices are stored, so densify and multiply once.
+    return lambda bsr, dy: reference_dw(bsr, dy) if bsr.is_full else sparse_dw(bsr, dy)
+
+
+BACKENDS: dict[str, DwBackend] = {
+    "reference": reference_dw,
+    "xla": _dense_when_full(xla_dw),
+    "cpu": _dense_when_full(cpu_dw),
+    "pallas": _dense_when_full(pallas_dw),
+}
 
 
 def resolve_backend(name: str | None) -> str:

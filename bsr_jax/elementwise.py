@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from bsr_jax.format import BlockSpec, BlockSparse, Criterion, Pruning, Selection, StorageDtype
+from bsr_jax.format import BlockSparse, Pruning, as_pruning, check_key
 from bsr_jax.linear import check_floating
 
 
@@ -54,13 +55,9 @@ def bsr_scale_shift(
     scale: jax.Array,
     shift: jax.Array | None = None,
     *,
-    sparsity: float,
-    block: BlockSpec = 16,
-    criterion: Criterion = "l2",
-    selection: Selection = "global",
-    storage_dtype: StorageDtype | None = None,
-    stochastic: bool = False,
+    pruning: Pruning | None = None,
     key: jax.Array | None = None,
+    **options: Any,
 ) -> jax.Array:
     """``x * scale + shift`` over the last axis, keeping only the largest blocks of x for ``dscale``.
 
@@ -68,20 +65,17 @@ def bsr_scale_shift(
       x: ``(..., K)`` floating input, flattened to ``(M, K)`` for pruning.
       scale: ``(K,)``, same dtype as x.
       shift: optional ``(K,)``.
-      sparsity, block, criterion, selection, storage_dtype, stochastic, key: as in ``bsr_linear``.
+      pruning, key, and the shorthand options: as in ``bsr_linear``.
 
     Returns:
       ``(..., K)``, bit-identical to ``x * scale + shift``. ``dx`` and ``dshift`` are exact;
-      ``dscale = sum_rows(mask(x) * dy)`` (f32 accumulation, cast to scale's dtype).
+      ``dscale = sum_rows(mask(x) * dy)`` (f32 accumulation, cast to scale's dtype), exact where
+      x itself is kept (see ``bsr_linear``).
     """
-    pruning = Pruning(sparsity, block, criterion, selection, storage_dtype, stochastic)
-    if key is not None and not stochastic:
-        raise ValueError("key is only used with stochastic=True")
+    pruning = as_pruning(pruning, options)
+    check_key(pruning, key)
     check_floating("x", x)
     if jnp.shape(scale) != (jnp.shape(x)[-1],) or jnp.result_type(scale) != jnp.result_type(x):
         raise ValueError(f"scale must be ({jnp.shape(x)[-1]},) of x's dtype, got {jnp.shape(scale)} {jnp.result_type(scale)}")
-    if sparsity == 0.0:
-        y = x * scale
-    else:
-        y = _pruned_scale(x, scale, key, pruning)
+    y = _pruned_scale(x, scale, key, pruning) if pruning.saves_memory(x) else x * scale
     return y if shift is None else y + shift

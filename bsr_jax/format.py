@@ -11,20 +11,25 @@ Array fields (``cap = capacity``, ``Kb = ceil(K / bk)``):
 field       shape           dtype          meaning
 ==========  ==============  =============  ==================================================
 values      (cap, bm, bk)   x's dtype [1]  the kept blocks, in block-column-major order
-block_rows  (cap,)          int16 / int32  block-row index of each kept block, in [0, Mb)
+block_rows  (cap,) or None  int16 / int32  block-row index of each kept block, in [0, Mb) [2]
 col_ptr     (Kb + 1,)       int32          kept blocks of block-column j: col_ptr[j]:col_ptr[j+1]
-scales      (cap,) or None  float32        per-block scale of int8 / float8 values [1]
+            or None                        [2]
+scales      (cap,) or None  float32        per-block scale of int8 / int4 / float8 values [1]
 ==========  ==============  =============  ==================================================
 
-[1] With ``storage_dtype`` the values are bfloat16, int8 or float8_e4m3fn (times ``scales``);
+[1] With ``storage_dtype`` (static) the values are stored as ``bsr_jax.quantize`` describes
+(bfloat16, float8_e4m3fn, int8, or int4 packed two to a byte as ``(cap, ceil(bm*bk/2))`` uint8);
 ``dense_dtype`` (static) remembers x's dtype and ``dequantized()`` restores it.
+[2] ``None`` when every block is kept (``is_full``): the blocks are then all ``Mb * Kb`` blocks in
+block-column-major order, so no indices are stored. This is how ``sparsity=0`` with a
+``storage_dtype`` keeps a whole activation in low precision.
 
 Only these are stored, because they are what the backward pass keeps alive. ``block_rows`` is
 int16 whenever ``Mb`` fits (at block 4 an int32 row and column id per block would add 12.5% to
 the 64 values of an f32 block; int16 rows alone add 3%). Kernels read the int32 views
 ``row_ids`` and ``col_ids`` (derived from ``col_ptr``), computed in the backward pass.
 
-Static metadata (``shape``, ``block``, ``dense_dtype``, and ``column_count``: the number of blocks
+Static metadata (``shape``, ``block``, ``storage_dtype``, ``dense_dtype``, and ``column_count``: the number of blocks
 every block-column keeps when ``selection="column"``, else None) is pytree aux data, so jit
 specialises on it.
 """
@@ -33,23 +38,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+# STORAGE_DTYPES and quantize_blocks are also imported from here by callers of the first version.
+from bsr_jax.quantize import (  # noqa: F401
+    STOCHASTIC_ROUNDING_DTYPES,
+    STORAGE_DTYPES,
+    StorageDtype,
+    check_storage_dtype,
+    dequantize_blocks,
+    quantize_blocks,
+)
+
 Criterion = Literal["l2", "l1"]
 Selection = Literal["global", "column"]
 BlockSpec = int | tuple[int, int]
 
-StorageDtype = Literal["bfloat16", "int8", "float8_e4m3fn"]
+Rounding = Literal["nearest", "stochastic"]
 
 RESIDUAL_NAME = "bsr_blocks"
 CRITERIA = ("l2", "l1")
-STORAGE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn")
 SELECTIONS = ("global", "column")
+ROUNDINGS = ("nearest", "stochastic")
 
 
 @jax.tree_util.register_dataclass
@@ -58,13 +73,19 @@ class BlockSparse:
     """Kept blocks of an ``(M, K)`` matrix; see the module docstring for the field layout."""
 
     values: jax.Array
-    block_rows: jax.Array
-    col_ptr: jax.Array
+    block_rows: jax.Array | None
+    col_ptr: jax.Array | None
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     scales: jax.Array | None = None
     dense_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     column_count: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    storage_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def is_full(self) -> bool:
+        """Every block is kept, in block-column-major order, and no indices are stored."""
+        return self.block_rows is None
 
     @property
     def capacity(self) -> int:
@@ -73,12 +94,16 @@ class BlockSparse:
     @property
     def row_ids(self) -> jax.Array:
         """``(cap,)`` int32 block-row index of each kept block."""
+        if self.is_full:
+            return jnp.arange(self.capacity, dtype=jnp.int32) % self.grid[0]
         return self.block_rows.astype(jnp.int32)
 
     @property
     def col_ids(self) -> jax.Array:
         """``(cap,)`` int32 block-column index of each kept block (expanded from ``col_ptr``)."""
-        kb = self.grid[1]
+        mb, kb = self.grid
+        if self.is_full:
+            return jnp.arange(self.capacity, dtype=jnp.int32) // mb
         counts = jnp.diff(self.col_ptr)
         return jnp.repeat(jnp.arange(kb, dtype=jnp.int32), counts, total_repeat_length=self.capacity)
 
@@ -99,21 +124,21 @@ class BlockSparse:
         return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
 
     def dequantized(self) -> BlockSparse:
-        """The same blocks with values in the original input dtype and no scales (a no-op when
-        ``from_dense`` stored them at full precision)."""
-        dtype = self.dense_dtype or self.values.dtype
-        if self.scales is None and self.values.dtype == dtype:
+        """The same blocks as ``(cap, bm, bk)`` values in the original input dtype and no scales
+        (a no-op when ``from_dense`` stored them at full precision)."""
+        if self.storage_dtype is None:
             return self
-        values = self.values.astype(jnp.float32)
-        if self.scales is not None:
-            values = values * self.scales[:, None, None]
-        return dataclasses.replace(self, values=values.astype(dtype), scales=None)
+        values = dequantize_blocks(self.values, self.scales, self.storage_dtype, self.block, self.dense_dtype)
+        return dataclasses.replace(self, values=values, scales=None, storage_dtype=None)
 
     def to_dense(self, padded: bool = False) -> jax.Array:
         """The ``(M, K)`` matrix (``padded_shape`` if ``padded``) with pruned blocks as zeros, in the
         input's dtype (dequantized if stored in lower precision)."""
         (mb, kb), (bm, bk) = self.grid, self.block
         values = self.dequantized().values
+        if self.is_full:
+            dense = values.reshape(kb, mb, bm, bk).transpose(1, 2, 0, 3).reshape(mb * bm, kb * bk)
+            return dense if padded else dense[: self.shape[0], : self.shape[1]]
         # Gather every block from values plus one appended zero block (slot `capacity`) instead of
         # scattering the kept blocks into zeros: 1.5-2x faster on XLA:CPU for an (8192, 1536) x.
         slots = jnp.full((mb, kb), self.capacity, jnp.int32)
@@ -125,7 +150,7 @@ class BlockSparse:
 
 def normalize_block(block: BlockSpec) -> tuple[int, int]:
     """``16 -> (16, 16)``; ``(bm, bk)`` is checked and returned as a tuple of ints."""
-    pair = (block, block) if isinstance(block, int) else tuple(block)
+    pair = (block, block) if isinstance(block, int) else tuple(block) if isinstance(block, (tuple, list)) else (block,)
     if len(pair) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in pair):
         raise ValueError(f"block must be a positive int or a pair of positive ints (rows, cols), got {block!r}")
     return pair
@@ -183,17 +208,34 @@ def pad_to_blocks(x: jax.Array, block: tuple[int, int]) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Pruning:
-    """Validated, hashable pruning options shared by every layer (a static ``custom_vjp`` argument).
+    """Options of block-pruned residuals: the one carrier every op, layer and rule passes around.
 
-    ``block`` may be given as an int; it is stored as ``(bm, bk)``.
+    Frozen and hashable (a static ``custom_vjp`` argument); validated once, here.
+
+    Attributes:
+      sparsity: fraction of ``(bm, bk)`` blocks dropped from the residual, a Python float in
+        ``[0, 1)``. ``0.0`` keeps every block: exactly dense without ``storage_dtype``, every block
+        in low precision with it (no indices stored).
+      block: ``bm`` (rows of the input flattened to ``(M, K)``) by ``bk`` (columns); an int means
+        square blocks; stored as a pair. A block larger than the matrix is clamped to it.
+      criterion: block magnitude used for ranking, ``"l2"`` or ``"l1"``.
+      selection: ``"global"`` keeps the largest blocks of the whole matrix; ``"column"`` the same
+        number in every block-column.
+      storage_dtype: ``None`` (the input's dtype) or one of ``bsr_jax.quantize.STORAGE_DTYPES``
+        (``"bfloat16"``, ``"float8_e4m3fn"``, ``"int8"``, ``"int4"``; per-block scales).
+      stochastic: sample blocks with probability by magnitude and rescale them (priority sampling,
+        unbiased weight gradient; see ``from_dense``); needs a PRNG key when differentiated.
+      rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; ``"int8"``/``"int4"`` storage only;
+        needs a PRNG key when differentiated).
     """
 
     sparsity: float
-    block: tuple[int, int]
+    block: BlockSpec = 16
     criterion: Criterion = "l2"
     selection: Selection = "global"
     storage_dtype: StorageDtype | None = None
     stochastic: bool = False
+    rounding: Rounding = "nearest"
 
     def __post_init__(self):
         object.__setattr__(self, "sparsity", check_sparsity(self.sparsity))
@@ -202,20 +244,47 @@ class Pruning:
             raise ValueError(f"criterion must be one of {CRITERIA}, got {self.criterion!r}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        if self.storage_dtype is not None and self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype must be None or one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+        check_storage_dtype(self.storage_dtype)
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"stochastic must be a bool, got {self.stochastic!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.rounding == "stochastic" and self.storage_dtype not in STOCHASTIC_ROUNDING_DTYPES:
+            raise ValueError(
+                f"rounding='stochastic' needs storage_dtype in {STOCHASTIC_ROUNDING_DTYPES}, got {self.storage_dtype!r}"
+            )
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether ``compress`` draws random numbers (and so needs a key when differentiated)."""
+        return (self.stochastic and self.sparsity > 0) or self.rounding == "stochastic"
+
+    def stored_shape(self, x: jax.Array | jax.ShapeDtypeStruct) -> BlockSparse:
+        """The ``BlockSparse`` that ``compress`` makes of ``x (..., K)``, as shapes (nothing runs)."""
+        flat = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+        options = dict(criterion=self.criterion, selection=self.selection, storage_dtype=self.storage_dtype)
+        return jax.eval_shape(lambda a: from_dense(a, self.sparsity, self.block, **options), flat)
+
+    def saves_memory(self, x: jax.Array | jax.ShapeDtypeStruct) -> bool:
+        """Whether ``compress(x)`` holds fewer bytes than ``x``. Where it does not (sparsity 0
+        without a storage dtype, blocks so large that one covers the matrix, indices outweighing
+        the pruned values), the ops keep ``x`` itself: the exact dense residual, never a bigger one."""
+        return self.stored_shape(x).nbytes < math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
     def compress(self, x: jax.Array, key: jax.Array | None = None) -> BlockSparse:
-        """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``, sampled with ``key`` if stochastic.
+        """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``, with randomness from ``key``.
 
         Runs in the backward pass's forward rule only, so a stochastic layer needs its key only when
         it is differentiated. The arrays are named ``RESIDUAL_NAME`` for ``jax.checkpoint`` policies.
         """
-        if self.stochastic and key is None:
+        if self.needs_key and key is None:
             raise ValueError(
-                "stochastic pruning needs a PRNG key when differentiated: pass rngs={'pruning': key} to "
-                "the Flax module's apply, or key= to bsr_linear / bsr_scale_shift"
+                "stochastic pruning needs a PRNG key when differentiated (so does rounding='stochastic'): "
+                "pass rngs={'pruning': key} to the Flax module's apply, or key= to the op"
             )
+        sample_key = round_key = None
+        if self.needs_key:
+            sample_key, round_key = jax.random.split(key)
         blocks = from_dense(
             x.reshape(-1, x.shape[-1]),
             self.sparsity,
@@ -223,32 +292,36 @@ class Pruning:
             criterion=self.criterion,
             selection=self.selection,
             storage_dtype=self.storage_dtype,
-            key=key if self.stochastic else None,
+            key=sample_key if self.stochastic else None,
+            rounding_key=round_key if self.rounding == "stochastic" else None,
         )
         return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), blocks)
 
 
-def quantize_blocks(values: jax.Array, storage_dtype: StorageDtype | None) -> tuple[jax.Array, jax.Array | None]:
-    """Values in ``storage_dtype`` and ``(cap,)`` f32 per-block scales (``None`` when not scaled).
+PRUNING_OPTIONS = tuple(f.name for f in dataclasses.fields(Pruning))
 
-    ``"bfloat16"`` is a plain cast. ``"int8"`` rounds ``v / s`` with ``s = max|block| / 127``;
-    ``"float8_e4m3fn"`` casts ``v / s`` with ``s = max|block| / 448`` (e4m3's largest finite value).
-    An all-zero block gets scale 1; a block holding NaN or inf gets a NaN scale, so the NaN still
-    reaches dW.
-    """
-    if storage_dtype is None:
-        return values, None
-    if storage_dtype == "bfloat16":
-        return values.astype(jnp.bfloat16), None
-    limit = {"int8": 127.0, "float8_e4m3fn": 448.0}[storage_dtype]
-    v = values.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(v), axis=(1, 2))
-    amax = jnp.where(jnp.isfinite(amax), amax, jnp.nan)
-    scales = jnp.where(amax > 0, amax / limit, jnp.where(amax == 0, 1.0, amax))
-    scaled = v / scales[:, None, None]
-    if storage_dtype == "int8":
-        return jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8), scales
-    return scaled.astype(jnp.float8_e4m3fn), scales
+
+def as_pruning(pruning: Pruning | None, options: dict[str, Any]) -> Pruning:
+    """The one place where the shorthand keywords (``sparsity=0.7, block=16, ...``) become a
+    ``Pruning``: ``pruning`` itself when given (then no shorthand may be), else ``Pruning(**options)``."""
+    unknown = sorted(set(options) - set(PRUNING_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; pruning options are {PRUNING_OPTIONS}")
+    options = {name: value for name, value in options.items() if value is not None}
+    if pruning is not None:
+        if not isinstance(pruning, Pruning):
+            raise ValueError(f"pruning must be a bsr_jax.Pruning or None, got {pruning!r}")
+        if options:
+            raise ValueError(f"pass either pruning= or the shorthand options, not both (got pruning and {sorted(options)})")
+        return pruning
+    if "sparsity" not in options:
+        raise ValueError("pass pruning=bsr_jax.Pruning(...) or the shorthand sparsity= (a float in [0, 1))")
+    return Pruning(**options)
+
+
+def check_key(pruning: Pruning, key: jax.Array | None) -> None:
+    if key is not None and not (pruning.stochastic or pruning.rounding == "stochastic"):
+        raise ValueError("key is only used with stochastic=True or rounding='stochastic'")
 
 
 def _kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
@@ -306,57 +379,68 @@ def from_dense(
     selection: Selection = "global",
     storage_dtype: StorageDtype | None = None,
     key: jax.Array | None = None,
+    rounding_key: jax.Array | None = None,
 ) -> BlockSparse:
     """Keep the largest blocks of a 2-D float array ``x`` of shape ``(M, K)``.
 
     ``selection="global"`` keeps the top ``capacity_for(...)`` blocks of the whole matrix (the
     paper's choice); ``"column"`` keeps the same number in every block-column, which balances
     kernel work. M and K need not divide the block: the matrix is zero-padded and padding blocks
-    rank last. Ties are broken towards lower indices (as ``lax.top_k`` does). Runs under jit: the capacity
-    is a static function of ``x.shape``, ``block`` and ``sparsity``.
+    rank last. A block larger than the matrix is clamped to it (``(min(bm, M), min(bk, K))``).
+    Ties are broken towards lower indices (as ``lax.top_k`` does). Runs under jit: the capacity
+    is a static function of ``x.shape``, ``block`` and ``sparsity``. When the capacity is every
+    block (e.g. ``sparsity=0``), nothing is ranked and no indices are stored (``is_full``).
 
     ``key`` switches to stochastic selection by priority sampling (Duffield, Lund & Thorup 2007):
     block i with magnitude ``w_i`` (L2 norm or L1 sum) gets priority ``w_i / u_i``, ``u_i ~ U(0, 1]``;
     the top-capacity priorities are kept and scaled by ``max(w_i, tau) / w_i``, ``tau`` being the
     next priority. Then ``E[to_dense()] = x`` exactly, so dW is unbiased, at the same capacity.
 
-    ``storage_dtype`` stores kept values as ``"bfloat16"``, ``"int8"`` or ``"float8_e4m3fn"``
-    with per-block scales (``quantize_blocks``); ``to_dense`` and the backward pass dequantize.
+    ``storage_dtype`` stores kept values in low precision with per-block scales
+    (``bsr_jax.quantize``), rounded stochastically (unbiased) with ``rounding_key``; ``to_dense``
+    and the backward pass dequantize.
     """
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must have a floating dtype, got {x.dtype}")
-    if storage_dtype is not None and storage_dtype not in STORAGE_DTYPES:
-        raise ValueError(f"storage_dtype must be None or one of {STORAGE_DTYPES}, got {storage_dtype!r}")
-    block = normalize_block(block)
+    check_storage_dtype(storage_dtype)
+    block = tuple(max(1, min(b, n)) for b, n in zip(normalize_block(block), x.shape))
     grid = block_grid(x.shape, block)
     capacity = capacity_for(grid, sparsity, selection)
     xp = pad_to_blocks(x, block)
-    mags = block_magnitudes(xp, block, criterion)  # (Kb, Mb)
     mb, kb = grid
-    if key is None:
-        row_ids, col_ids, col_ptr, _ = _top_blocks(mags, capacity, selection, with_threshold=False)
+    full = capacity == mb * kb
+    if full:
+        values = xp.reshape(mb, block[0], kb, block[1]).transpose(2, 0, 1, 3).reshape(kb * mb, *block)
+        row_ids = col_ptr = None
     else:
-        weights = jnp.sqrt(mags) if criterion == "l2" else mags
-        u = jax.random.uniform(key, weights.shape, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
-        row_ids, col_ids, col_ptr, tau = _top_blocks(weights / u, capacity, selection, with_threshold=True)
-        kept_weights = weights[col_ids, row_ids]
-        tau = tau if selection == "global" else tau[col_ids]
-        rescale = jnp.where(kept_weights > 0, jnp.maximum(kept_weights, tau) / kept_weights, 1.0)
-    # Gather straight from the (Mb, bm, Kb, bk) view: the advanced indices move the kept-block axis
-    # first and no transpose of x is materialised.
-    values = xp.reshape(mb, block[0], kb, block[1])[row_ids, :, col_ids, :]
-    if key is not None:
-        values = (values.astype(jnp.float32) * rescale[:, None, None]).astype(x.dtype)
-    values, scales = quantize_blocks(values, storage_dtype)
+        mags = block_magnitudes(xp, block, criterion)  # (Kb, Mb)
+        if key is None:
+            row_ids, col_ids, col_ptr, _ = _top_blocks(mags, capacity, selection, with_threshold=False)
+        else:
+            weights = jnp.sqrt(mags) if criterion == "l2" else mags
+            u = jax.random.uniform(key, weights.shape, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+            row_ids, col_ids, col_ptr, tau = _top_blocks(weights / u, capacity, selection, with_threshold=True)
+            kept_weights = weights[col_ids, row_ids]
+            tau = tau if selection == "global" else tau[col_ids]
+            rescale = jnp.where(kept_weights > 0, jnp.maximum(kept_weights, tau) / kept_weights, 1.0)
+        # Gather straight from the (Mb, bm, Kb, bk) view: the advanced indices move the kept-block
+        # axis first and no transpose of x is materialised.
+        values = xp.reshape(mb, block[0], kb, block[1])[row_ids, :, col_ids, :]
+        if key is not None:
+            values = (values.astype(jnp.float32) * rescale[:, None, None]).astype(x.dtype)
+        row_ids = row_ids.astype(jnp.int16 if mb <= jnp.iinfo(jnp.int16).max + 1 else jnp.int32)
+        col_ptr = col_ptr.astype(jnp.int32)
+    values, scales = quantize_blocks(values, storage_dtype, rounding_key)
     return BlockSparse(
         values=values,
-        block_rows=row_ids.astype(jnp.int16 if mb <= jnp.iinfo(jnp.int16).max + 1 else jnp.int32),
-        col_ptr=col_ptr.astype(jnp.int32),
+        block_rows=row_ids,
+        col_ptr=col_ptr,
         shape=tuple(x.shape),
         block=block,
         scales=scales,
         dense_dtype=jnp.dtype(x.dtype).name,
         column_count=capacity // kb if selection == "column" else None,
+        storage_dtype=storage_dtype,
     )

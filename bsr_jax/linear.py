@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from bsr_jax import backends
-from bsr_jax.format import BlockSpec, Criterion, Pruning, Selection, StorageDtype
+from bsr_jax.format import Pruning, as_pruning, check_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,15 +59,11 @@ def bsr_linear(
     w: jax.Array,
     b: jax.Array | None = None,
     *,
-    sparsity: float,
-    block: BlockSpec = 16,
-    criterion: Criterion = "l2",
-    selection: Selection = "global",
-    storage_dtype: StorageDtype | None = None,
-    stochastic: bool = False,
+    pruning: Pruning | None = None,
     key: jax.Array | None = None,
     backend: str | None = None,
     precision: lax.PrecisionLike = None,
+    **options: Any,
 ) -> jax.Array:
     """``x @ w + b`` with an exact forward and input gradient, and a block-pruned weight gradient.
 
@@ -74,18 +71,11 @@ def bsr_linear(
       x: ``(..., K)`` floating input; all leading dims are flattened to ``M`` rows for pruning.
       w: ``(K, N)`` kernel of the same floating dtype as ``x``.
       b: optional ``(N,)`` bias.
-      sparsity: fraction of ``(bm, bk)`` blocks of the flattened x dropped from the residual, a
-        Python float in ``[0, 1)``. ``0.0`` is exactly the dense layer (dense residual, dense dW).
-      block: ``bm`` (rows of M) by ``bk`` (columns of K); an int means square blocks. M and K are
-        zero-padded to whole blocks.
-      criterion: block magnitude, ``"l2"`` or ``"l1"``.
-      selection: ``"global"`` keeps the largest blocks of the whole matrix; ``"column"`` keeps the
-        same number per block-column (balanced kernel work).
-      storage_dtype: store kept blocks as ``"bfloat16"``, ``"int8"`` or ``"float8_e4m3fn"`` (per-block
-        scales), dequantized in the backward pass; ``None`` keeps x's dtype.
-      stochastic: sample blocks with probability by magnitude and rescale them, so dW is unbiased
-        (see ``from_dense``); needs ``key`` when differentiated (the forward pass does not use it).
-      key: PRNG key of the stochastic sampling.
+      pruning: the options (``bsr_jax.Pruning``: sparsity, block, criterion, selection,
+        storage_dtype, stochastic, rounding). Or give them as keywords instead, the shorthand
+        ``bsr_linear(x, w, b, sparsity=0.7, block=16)``.
+      key: PRNG key of stochastic sampling or rounding (needed when differentiated; the forward
+        pass does not use it).
       backend: dW backend, ``"cpu"``, ``"xla"``, ``"pallas"`` or ``"reference"``; ``None`` picks
         ``$BSR_JAX_BACKEND`` or the platform default (see ``bsr_jax.backends``).
       precision: passed to ``lax.dot_general`` for y and dx.
@@ -93,12 +83,13 @@ def bsr_linear(
     Returns:
       ``(..., N)`` array, equal to the dense layer's output. Gradients: dx and db are exact; dW is
       ``mask(x).T @ dy`` where ``mask`` zeroes the pruned blocks (f32 accumulation, cast to w's
-      dtype; with ``storage_dtype``, the kept blocks are rounded; with ``key``, rescaled so that
-      dW is unbiased). Under ``vmap`` each mapped instance is pruned on its own.
+      dtype; with ``storage_dtype``, the kept blocks are rounded; with ``stochastic``, rescaled so
+      that dW is unbiased). Where the compressed residual would not be smaller than x (e.g.
+      sparsity 0 without a storage dtype), x itself is kept and dW is exact. Under ``vmap`` each
+      mapped instance is pruned on its own.
     """
-    pruning = Pruning(sparsity, block, criterion, selection, storage_dtype, stochastic)
-    if key is not None and not stochastic:
-        raise ValueError("key is only used with stochastic=True")
+    pruning = as_pruning(pruning, options)
+    check_key(pruning, key)
     check_floating("x", x)
     check_floating("w", w)
     if jnp.ndim(x) < 1 or jnp.ndim(w) != 2 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
@@ -106,10 +97,10 @@ def bsr_linear(
     if jnp.result_type(x) != jnp.result_type(w):
         raise ValueError(f"x and w must share a dtype, got {jnp.result_type(x)} and {jnp.result_type(w)}")
     backend = backends.resolve_backend(backend)
-    if sparsity == 0.0:
-        y = _matmul(x, w, precision)
-    else:
+    if pruning.saves_memory(x):
         y = _pruned_matmul(x, w, key, _Config(pruning, backend, precision))
+    else:
+        y = _matmul(x, w, precision)
     if b is not None:
         y += jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
     return y

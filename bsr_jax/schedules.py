@@ -12,7 +12,6 @@ static argument of a jitted step.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 from collections.abc import Iterator, Sequence
 
@@ -20,10 +19,10 @@ import flax.linen as nn
 import jax
 
 from bsr_jax.format import check_sparsity
-from bsr_jax.layers import Affine, Dense, LayerScale
+from bsr_jax.layers import PrunedModule
+from bsr_jax.rules import first_match, module_path
 
 SparsityRules = tuple[tuple[str, float], ...]
-PRUNABLE_LAYERS = (Dense, Affine, LayerScale)
 
 
 def warmup_fraction(step: int, *, warmup_steps: int, levels: int = 4) -> float:
@@ -47,13 +46,6 @@ def scale_rules(rules: SparsityRules, fraction: float) -> SparsityRules:
     return tuple((pattern, round(sparsity * fraction, 6)) for pattern, sparsity in rules)
 
 
-def _sparsity_for(path: str, rules: SparsityRules) -> float | None:
-    for pattern, sparsity in rules:
-        if fnmatch.fnmatchcase(path, pattern):
-            return sparsity
-    return None
-
-
 @contextlib.contextmanager
 def layer_sparsity(rules: SparsityRules | Sequence[tuple[str, float]]) -> Iterator[None]:
     """Within the context, each bsr_jax layer whose module path ('/'-joined, e.g.
@@ -64,10 +56,10 @@ def layer_sparsity(rules: SparsityRules | Sequence[tuple[str, float]]) -> Iterat
     rules = tuple((str(p), check_sparsity(s)) for p, s in rules)
 
     def override(next_fun, args, kwargs, context):
-        if isinstance(context.module, PRUNABLE_LAYERS) and context.method_name == "__call__":
-            sparsity = _sparsity_for("/".join(context.module.path), rules)
-            if sparsity is not None:
-                kwargs = {**kwargs, "sparsity": sparsity}
+        if isinstance(context.module, PrunedModule) and context.method_name == "__call__":
+            i = first_match([pattern for pattern, _ in rules], module_path(context.module))
+            if i is not None:
+                kwargs = {**kwargs, "sparsity": rules[i][1]}
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(override):
@@ -79,8 +71,8 @@ def prunable_layer_paths(apply_fn, *args, **kwargs) -> list[str]:
     paths: list[str] = []
 
     def record(next_fun, args, kwargs, context):
-        if isinstance(context.module, PRUNABLE_LAYERS) and context.method_name == "__call__":
-            paths.append("/".join(context.module.path))
+        if isinstance(context.module, PrunedModule) and context.method_name == "__call__":
+            paths.append(module_path(context.module))
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
