@@ -197,8 +197,8 @@ IMAGENET_DEFAULTS = TrainConfig(
 
 _HELP = {
     "dataset": "dataset name; 'imagefolder' reads any <root>/{train,test}/<class>/<image> tree in --data-dir",
-    "data_dir": "file or directory holding the data (archive, extracted folder or a tfds data_dir); "
-    "default: tfds' manual dir and data dir",
+    "data_dir": "file or directory holding the data (archive, extracted folder or a tfds data_dir); default: "
+    "tfds' manual dir and data dir, then <cache dir>/downloads, where CIFAR is downloaded if missing",
     "cache_dir": "where decoded uint8 arrays are cached; default $BSR_JAX_CACHE or ~/.cache/bsr_jax",
     "image_size": "model input side in pixels",
     "augment": "training augmentation: 'cifar' pad-4 random crop + flip, 'imagenet' random resized crop + flip",
