@@ -38,6 +38,12 @@ CONFIGS: dict[str, list[str]] = {
     "all-s0.7-b16-int8-stoch": [
         "--sparsity", "0.7", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8", "--stochastic",
     ],
+    # Quantize-only: every block of every parameter-gradient residual kept, in low precision.
+    "all-s0-b16-int8": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8"],
+    "all-s0-b16-int4": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int4"],
+    "all-s0.5-b16-int8-stoch": [
+        "--sparsity", "0.5", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8", "--stochastic",
+    ],
 }
 
 
