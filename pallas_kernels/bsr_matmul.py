@@ -26,7 +26,7 @@ def bsr_matmul(
     w: jax.Array,
     *,
     config: TileConfig | None = None,
-    precision: lax.PrecisionLike = None,
+    precision: lax.PrecisionLike = lax.Precision.HIGHEST,
     out_dtype=jnp.float32,
     interpret: bool = False,
 ) -> jax.Array:
@@ -43,7 +43,7 @@ def bsr_matmul(
 
     Returns:
       ``(Mb * bm, N)`` array ``x @ w``, exact up to float32 reassociation (and TF32 rounding of
-      float32 inputs on GPU with ``precision=None``).
+      float32 inputs on GPU with ``precision=DEFAULT``).
     """
     return grouped_block_matmul(
         values, col_ids, row_ptr, w, contract=1, names=("col_ids", "row_ptr", "w"), config=config,

@@ -25,7 +25,7 @@ def bsr_t_matmul(
     dy: jax.Array,
     *,
     config: TileConfig | None = None,
-    precision: lax.PrecisionLike = None,
+    precision: lax.PrecisionLike = lax.Precision.HIGHEST,
     out_dtype=jnp.float32,
     interpret: bool = False,
 ) -> jax.Array:
@@ -39,15 +39,18 @@ def bsr_t_matmul(
         (see ``pallas_kernels.layout``). An empty column gives zero rows of the result.
       dy: ``(Mb * bm, N)`` dense operand in ``values``' dtype (the caller pads M to whole blocks).
       config: tile configuration; default ``tile_config_for((bm, bk), dtype)``.
-      precision: of the block products. ``None`` on GPU lets float32 use TF32 tensor cores (as
-        XLA's default matmul does); ``lax.Precision.HIGHEST`` asks for full float32.
+      precision: of the block products. The default, ``HIGHEST``, multiplies float32 blocks in
+        full float32 (Triton's IEEE input precision), so the weight gradient matches the CPU
+        backends and a float32 reference to float32 rounding on every platform. ``DEFAULT`` (or
+        ``None``) lets a GPU use TF32 tensor cores instead: faster on Ampere and later, but with
+        10-bit mantissas (relative error ~1e-3). bfloat16/float16 blocks are unaffected.
       out_dtype: dtype of the result; accumulation is float32 regardless.
       interpret: run the Pallas interpreter even when lowering for a GPU. Without it, the kernel
         is compiled by Triton on CUDA/ROCm and interpreted on every other platform.
 
     Returns:
       ``(Kb * bk, N)`` array ``x.T @ dy``, exact up to float32 reassociation (and TF32 rounding
-      of float32 inputs on GPU with ``precision=None``).
+      of float32 inputs on GPU with ``precision=DEFAULT``).
     """
     return grouped_block_matmul(
         values, row_ids, col_ptr, dy, contract=0, names=("row_ids", "col_ptr", "dy"), config=config,

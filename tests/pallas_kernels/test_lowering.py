@@ -8,6 +8,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 from jax import lax
@@ -65,3 +66,25 @@ def test_cpu_lowering_has_no_triton_call():
     args = (jnp.zeros((1, 16, 16)), jnp.zeros((1,), jnp.int32), jnp.array([0, 1], jnp.int32), jnp.zeros((16, 16)))
     text = jax.jit(bsr_t_matmul).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
     assert TRITON_CALL not in text and "while" in text  # the interpreter's grid loop
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general in ``jaxpr`` and the jaxprs nested in it (kernel bodies)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_precisions(sub)
+    return found
+
+
+@pytest.mark.parametrize("kernel", [bsr_t_matmul, bsr_matmul], ids=lambda k: k.__name__)
+def test_float32_blocks_multiply_at_full_precision_by_default(kernel):
+    """Triton lowers a DEFAULT-precision float32 dot to TF32 (10-bit mantissas), which the float32
+    tolerances of these tests would not meet on a GPU; the kernels ask for HIGHEST (IEEE) instead."""
+    args = (jnp.zeros((1, 16, 16)), jnp.zeros((1,), jnp.int32), jnp.array([0, 1], jnp.int32), jnp.zeros((16, 16)))
+    precisions = _dot_precisions(jax.make_jaxpr(kernel)(*args).jaxpr)
+    assert precisions and all(p == (lax.Precision.HIGHEST, lax.Precision.HIGHEST) for p in precisions), precisions
+    tf32 = _dot_precisions(jax.make_jaxpr(functools.partial(kernel, precision=lax.Precision.DEFAULT))(*args).jaxpr)
+    assert tf32 and all(p != (lax.Precision.HIGHEST, lax.Precision.HIGHEST) for p in tf32), tf32
