@@ -169,12 +169,13 @@ def evaluate(eval_step, params, batches: Iterator[dict], mesh, num_batches: int,
     """``{"test_loss", "test_accuracy"}`` over ``batches``, with a progress bar; None when ``stop``
     was requested on the way (the evaluation is abandoned: a resumed run redoes it)."""
     totals = None
-    batches = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
-    for batch in tqdm(batches, total=num_batches, desc="evaluating", unit="batch", leave=False, disable=None):
-        if stop is not None and stop.signal is not None:
-            return None
-        out = eval_step(params, batch)
-        totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+    placed = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
+    with contextlib.closing(placed):
+        for batch in tqdm(placed, total=num_batches, desc="evaluating", unit="batch", leave=False, disable=None):
+            if stop is not None and stop.signal is not None:
+                return None
+            out = eval_step(params, batch)
+            totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     totals = jax.device_get(totals)
     return {"test_loss": float(totals["loss_sum"] / totals["count"]), "test_accuracy": float(totals["correct"] / totals["count"])}
 
@@ -241,7 +242,6 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         conflicts = config.resume_conflicts(TrainConfig.from_json(saved["config"]))
         if conflicts:
             raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
-    os.makedirs(workdir, exist_ok=True)
     mesh = sharding.make_mesh()
     for name, size in (("batch_size", config.batch_size), ("eval_batch_size", config.eval_batch_size)):
         if size % mesh.devices.size:
@@ -261,6 +261,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         raise UsageError(f"image_size is {config.image_size} but the {config.dataset} images are {stored[0]}x{stored[1]} "
                          "and augment 'cifar' keeps their size: pass --image-size to match, or --augment imagenet")  # fmt: skip
     steps_per_epoch = data.steps_per_epoch(train_data, config.batch_size)
+    os.makedirs(workdir, exist_ok=True)  # only now: a run without data leaves nothing behind
     total_steps = config.epochs * steps_per_epoch
     stop_step = run_dir.stop_step(config.steps, config.epochs, steps_per_epoch)
 

@@ -155,9 +155,45 @@ def test_sigterm_checkpoints_and_stops(generated_data, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "train_batches", signalling_batches)
     result = loop.train_and_evaluate(config(), str(tmp_path))
     assert result["stopped_by"] == signal.SIGTERM
-    assert 1 <= result["step"] < 8
+    assert 1 <= result["step"] <= 3  # one step in flight: the run does not drain a queue of dispatched steps
     assert Checkpoints(str(tmp_path / "checkpoints")).latest_step() == result["step"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    assert result["summary"]["stopped_by"] == signal.SIGTERM and result["summary"]["step"] == result["step"]
+
+
+def test_signal_during_evaluation_drops_it_and_resume_redoes_it(generated_data, tmp_path, monkeypatch):
+    eval_batches, calls = data.eval_batches, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(None)
+        for i, batch in enumerate(eval_batches(*args, **kwargs)):
+            if len(calls) == 1 and i == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+    monkeypatch.setattr(data, "eval_batches", interrupted)
+    stopped = loop.train_and_evaluate(config(eval_batch_size=8), str(tmp_path))  # 3 eval batches
+    assert stopped["stopped_by"] == signal.SIGTERM and stopped["step"] == 4 and "eval" not in stopped
+    resumed = loop.train_and_evaluate(config(eval_batch_size=8, resume=True), str(tmp_path))
+    assert resumed["stopped_by"] is None and resumed["step"] == 8
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["kind"], r["step"]) for r in records if r["kind"] != "train"] == [("memory", 0), ("memory", 4), ("eval", 4), ("eval", 8)]
+    evals = [r["test_accuracy"] for r in records if r["kind"] == "eval"]
+    summary = resumed["summary"]
+    assert (summary["final_test_accuracy"], summary["best_test_accuracy"]) == (evals[-1], max(evals))
+    assert summary["checkpoint"] == str(tmp_path / "checkpoints" / "8")
+    assert summary["residual_activation_mib"] == summary["dense_residual_activation_mib"]  # config() is dense
+
+
+def test_resume_refuses_other_settings_and_leaves_a_finished_run_alone(generated_data, tmp_path):
+    loop.train_and_evaluate(config(steps=2, sparsity=0.5, block=4), str(tmp_path))
+    files = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    again = loop.train_and_evaluate(config(steps=2, sparsity=0.5, block=4, resume=True), str(tmp_path))
+    assert again == {"step": 2, "stopped_by": None, "summary": None}
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == files
+    with pytest.raises(UsageError, match=r"--sparsity 0.7 \(the run has 0.5\)"):
+        loop.train_and_evaluate(config(steps=4, sparsity=0.7, block=4, resume=True), str(tmp_path))
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == files
 
 
 def test_nan_loss_fails_loudly(generated_data, tmp_path, monkeypatch):
