@@ -157,7 +157,9 @@ def compressed_conv(
             raise ValueError(f"{name} must have a floating dtype, got {jnp.result_type(a)}")
     rank = jnp.ndim(x) - 2
     if rank < 1 or jnp.ndim(w) != rank + 2:
-        raise ValueError(f"expected x (N, *spatial, C) and w (*window, C / groups, features), got x {jnp.shape(x)} and w {jnp.shape(w)}")
+        raise ValueError(
+            f"expected x (N, *spatial, C) and w (*window, C / groups, features), got x {jnp.shape(x)} and w {jnp.shape(w)}"
+        )
     if jnp.result_type(x) != jnp.result_type(w):
         raise ValueError(f"x and w must share a dtype, got {jnp.result_type(x)} and {jnp.result_type(w)}")
     if compression is not None and not isinstance(compression, (Pooling, Pruning)):
