@@ -14,13 +14,13 @@ SPARSITY = 0.6
 # (shape of x, dtype, pruning keywords besides sparsity). Storage and stochastic cases get inputs
 # with full float32 mantissas (see tests/reference.py on int8 half-way points).
 CASES = {
-    "l2 global 16": ((4, 16, 48), jnp.float32, dict(block=16)),
-    "l1 column 8x4 padded bf16": ((3, 13, 37), jnp.bfloat16, dict(block=(8, 4), criterion="l1", selection="column")),
-    "l2 column tiny 2x3": ((13, 11), jnp.float32, dict(block=(2, 3), selection="column")),
-    "int8 storage": ((40, 48), jnp.float32, dict(block=8, storage_dtype="int8")),
-    "fp8 storage column bf16": ((40, 48), jnp.bfloat16, dict(block=(8, 16), selection="column", storage_dtype="float8_e4m3fn")),
-    "stochastic l1 bfloat16 storage": ((40, 48), jnp.float32, dict(block=8, criterion="l1", stochastic=True, storage_dtype="bfloat16")),
-    "stochastic column int8": ((40, 48), jnp.float32, dict(block=(4, 8), selection="column", stochastic=True, storage_dtype="int8")),
+    "l2-global-16": ((4, 16, 48), jnp.float32, dict(block=16)),
+    "l1-column-8x4-padded-bf16": ((3, 13, 37), jnp.bfloat16, dict(block=(8, 4), criterion="l1", selection="column")),
+    "l2-column-tiny-2x3": ((13, 11), jnp.float32, dict(block=(2, 3), selection="column")),
+    "int8-storage": ((40, 48), jnp.float32, dict(block=8, storage_dtype="int8")),
+    "fp8-storage-column": ((40, 48), jnp.float32, dict(block=(8, 16), selection="column", storage_dtype="float8_e4m3fn")),
+    "stochastic-l1-bfloat16-storage": ((40, 48), jnp.float32, dict(block=8, criterion="l1", stochastic=True, storage_dtype="bfloat16")),
+    "stochastic-column-int8": ((40, 48), jnp.float32, dict(block=(4, 8), selection="column", stochastic=True, storage_dtype="int8")),
 }
 
 

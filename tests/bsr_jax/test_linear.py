@@ -39,18 +39,18 @@ class Case:
 
 
 CASES = {
-    "l2 global 16": Case((4, 16, 48), 40, jnp.float32, dict(block=16)),
-    "l1 column 8x4 padded bf16": Case((3, 13, 37), 19, jnp.bfloat16, dict(block=(8, 4), criterion="l1", selection="column")),
-    "l1 global 4x16": Case((40, 48), 24, jnp.float32, dict(block=(4, 16), criterion="l1")),
-    "l2 column tiny 2x3": Case((13, 11), 12, jnp.float32, dict(block=(2, 3), selection="column")),
-    "ties global 8": Case((32, 40), 16, jnp.float32, dict(block=8), values="ties"),
-    "ties l1 column 8": Case((32, 40), 16, jnp.float32, dict(block=8, criterion="l1", selection="column"), values="ties"),
-    "bfloat16 storage": Case((40, 48), 24, jnp.float32, dict(block=8, storage_dtype="bfloat16"), values="float32"),
-    "int8 storage column 16": Case((48, 64), 20, jnp.float32, dict(block=16, selection="column", storage_dtype="int8"), values="float32"),
-    "fp8 storage 8x16 bf16": Case((40, 48), 24, jnp.bfloat16, dict(block=(8, 16), storage_dtype="float8_e4m3fn")),
-    "stochastic l2 global": Case((40, 48), 24, jnp.float32, dict(block=8, stochastic=True), values="heavy-tailed"),
-    "stochastic l1 column int8": Case((40, 48), 24, jnp.float32, dict(block=(4, 8), criterion="l1", selection="column", stochastic=True, storage_dtype="int8"), values="heavy-tailed"),  # fmt: skip
-    "stochastic l2 global 16 bf16": Case((64, 48), 24, jnp.bfloat16, dict(block=16, stochastic=True), values="heavy-tailed"),
+    "l2-global-16": Case((4, 16, 48), 40, jnp.float32, dict(block=16)),
+    "l1-column-8x4-padded-bf16": Case((3, 13, 37), 19, jnp.bfloat16, dict(block=(8, 4), criterion="l1", selection="column")),
+    "l1-global-4x16": Case((40, 48), 24, jnp.float32, dict(block=(4, 16), criterion="l1")),
+    "l2-column-tiny-2x3": Case((13, 11), 12, jnp.float32, dict(block=(2, 3), selection="column")),
+    "ties-global-8": Case((32, 40), 16, jnp.float32, dict(block=8), values="ties"),
+    "ties-l1-column-8": Case((32, 40), 16, jnp.float32, dict(block=8, criterion="l1", selection="column"), values="ties"),
+    "bfloat16-storage": Case((40, 48), 24, jnp.float32, dict(block=8, storage_dtype="bfloat16"), values="float32"),
+    "int8-storage-column-16": Case((48, 64), 20, jnp.float32, dict(block=16, selection="column", storage_dtype="int8"), values="float32"),
+    "fp8-storage-8x16-bf16": Case((40, 48), 24, jnp.bfloat16, dict(block=(8, 16), storage_dtype="float8_e4m3fn")),
+    "stochastic-l2-global": Case((40, 48), 24, jnp.float32, dict(block=8, stochastic=True), values="heavy-tailed"),
+    "stochastic-l1-column-int8": Case((40, 48), 24, jnp.float32, dict(block=(4, 8), criterion="l1", selection="column", stochastic=True, storage_dtype="int8"), values="heavy-tailed"),  # fmt: skip
+    "stochastic-l2-global-16-bf16": Case((64, 48), 24, jnp.bfloat16, dict(block=16, stochastic=True), values="heavy-tailed"),
 }
 SPARSITY = 0.6
 
