@@ -46,7 +46,9 @@ from tqdm import tqdm
 from train import augment as aug
 from train.data_cache import CacheWriter, CachedSplit, cache_name, read_cache, resolve_cache_dir
 from train.data_decode import CHUNK, Chunk, decode_chunks, stored_size
-from train.data_sources import ILSVRC_TARS, SPLIT_DIRS, DataError, Source, find_local_source, read_source, tfds_data_dir
+from train.data_sources import (
+    ILSVRC_TARS, SPLIT_DIRS, DataError, Source, find_local_source, not_found_message, read_source, tfds_data_dir,
+)
 from train.download import CIFAR_ARCHIVES, MIRROR_VAR, download_cifar
 
 DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
@@ -153,7 +155,7 @@ def load_split(
                                 f"with the file (or set ${MIRROR_VAR} to a mirror)") from None  # fmt: skip
         if source is None:
             reason = f"no {tfds_dir}" if has_tfds else "tensorflow-datasets is not installed"
-            raise DataNotFoundError(_not_found_message(dataset, split, looked, reason))
+            raise DataNotFoundError(not_found_message(dataset, split, looked, reason, downloadable=dataset in CIFAR_ARCHIVES))
         cached = _load_local(source, dataset, split, image_size, cache_root)
     mean, std = MEAN_STD[dataset]
     return ArrayDataset(cached.images, cached.labels, cached.meta["num_classes"], mean, std)
@@ -227,7 +229,7 @@ def _load_tfds(
         source = tfds.data_source(dataset, split=tfds_split, data_dir=data_dir, download=False)
     except Exception as error:  # noqa: BLE001 - tfds raises many types; all mean "not available here"
         reason = _tfds_reason(tfds, dataset, data_dir, error)
-        raise DataNotFoundError(_not_found_message(dataset, split, looked, reason)) from None
+        raise DataNotFoundError(not_found_message(dataset, split, looked, reason, downloadable=dataset in CIFAR_ARCHIVES)) from None
     info = source.dataset_info
     where = str(info.data_dir)
     paths = sorted(os.path.join(where, n) for n in os.listdir(where)) if os.path.isdir(where) else []
@@ -261,24 +263,6 @@ def _tfds_reason(tfds: Any, dataset: str, data_dir: str | None, error: Exception
         return f"not prepared at {builder.data_dir}"
     except Exception:  # noqa: BLE001 - the reason is best effort; the original error says enough
         return first_line
-
-
-def _not_found_message(dataset: str, split: str, looked: list[str], tfds_reason: str) -> str:
-    cifar = "the {} python archive {} (https://www.cs.toronto.edu/~kriz/cifar.html), its directory or {}/, "
-    provide = {
-        "cifar10": cifar.format("CIFAR-10", "cifar-10-python.tar.gz", "its extracted cifar-10-batches-py"),
-        "cifar100": cifar.format("CIFAR-100", "cifar-100-python.tar.gz", "its extracted cifar-100-python"),
-        "imagenet2012": "a directory holding ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
-        "(tfds' manual_dir layout; <dir>/downloads/manual also works), ",
-        "imagefolder": "",
-    }[dataset]
-    download = " (without --data-dir, CIFAR is downloaded)" if dataset in CIFAR_ARCHIVES else ""
-    return (
-        f"No {dataset} '{split}' data found. Looked at: {'; '.join(looked)}; tfds: {tfds_reason}. "
-        f"To provide it, pass --data-dir with {provide}or an image folder <root>/train/<class>/*.jpg and "
-        f"<root>/test/<class>/*.jpg as a directory or a .tar/.tar.gz archive (<root> may be one level down "
-        f"inside it; labels are the alphabetical class index){download}."
-    )
 
 
 def steps_per_epoch(data: ArrayDataset, batch_size: int) -> int:

@@ -150,6 +150,25 @@ def _find_in(dataset: str, root: str, looked: list[str]) -> Source | None:
     return None
 
 
+def not_found_message(dataset: str, split: str, looked: list[str], tfds_reason: str, downloadable: bool) -> str:
+    """One paragraph: where `dataset` was looked for, why tfds had nothing, and how to provide it."""
+    cifar = "the {} python archive {} (https://www.cs.toronto.edu/~kriz/cifar.html), its directory or {}/, "
+    provide = {
+        "cifar10": cifar.format("CIFAR-10", "cifar-10-python.tar.gz", "its extracted cifar-10-batches-py"),
+        "cifar100": cifar.format("CIFAR-100", "cifar-100-python.tar.gz", "its extracted cifar-100-python"),
+        "imagenet2012": "a directory holding ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
+        "(tfds' manual_dir layout; <dir>/downloads/manual also works), ",
+        "imagefolder": "",
+    }[dataset]
+    download = " (without --data-dir, CIFAR is downloaded)" if downloadable else ""
+    return (
+        f"No {dataset} '{split}' data found. Looked at: {'; '.join(looked)}; tfds: {tfds_reason}. "
+        f"To provide it, pass --data-dir with {provide}or an image folder <root>/train/<class>/*.jpg and "
+        f"<root>/test/<class>/*.jpg as a directory or a .tar/.tar.gz archive (<root> may be one level down "
+        f"inside it; labels are the alphabetical class index){download}."
+    )
+
+
 def _named_after(name: str, dataset: str) -> bool:
     """cifar10-jpg.tar.gz is named after cifar10; cifar100.tar is not (digit after the prefix)."""
     lowered = name.lower()
