@@ -149,8 +149,14 @@ def lean_dot_product_attention(*args, **kwargs):
     if named["module"] is not None:
         return _dot_product_attention(**named)
     arrays = {name: named.pop(name) for name in _ATTENTION_ARRAYS}
+    rng = arrays["dropout_rng"]
+    typed_key = rng is not None and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if typed_key:  # kept as its raw uint32 data: residuals stay plain arrays
+        arrays["dropout_rng"] = jax.random.key_data(rng)
 
     def attend(arrays):
+        if typed_key:
+            arrays = {**arrays, "dropout_rng": jax.random.wrap_key_data(arrays["dropout_rng"], impl=jax.random.key_impl(rng))}
         return _dot_product_attention(**arrays, **named)
 
     return jax.checkpoint(attend)(arrays)

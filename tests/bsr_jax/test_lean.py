@@ -1,0 +1,277 @@
+"""Lean neighbours: same forward bits, the gradients of plain autodiff, fewer residual bytes."""
+
+import dataclasses
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+import third_party_models as tpm
+from flax import nnx
+
+import bsr_jax
+from bsr_jax.lean import lean_neighbours
+
+TOL = dict(atol=1e-6, rtol=1e-5)  # float reassociation only (recomputed stats, f32)
+
+
+def normal(shape, seed=0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def probe(y, weights):
+    """A linear read-out of ``y`` that keeps only ``weights`` (as one computed array), not ``y``."""
+    return jnp.sum(y * jax.lax.stop_gradient(weights))
+
+
+def compare(fn, params, *args):
+    """fn(params, *args, lean) -> scalar: checks the value's bits and the gradients (params and float
+    args; jitted, as training runs), returns the residuals of plain and lean."""
+    floating = [i for i, a in enumerate(args, 1) if all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(a))]
+    forward = jax.jit(fn, static_argnums=len(args) + 1)
+    assert forward(params, *args, False) == forward(params, *args, True)
+    # Within one fwd+bwd program XLA may fuse the (recomputed) forward differently, so the value
+    # there is only close; the bits are checked on the forward program above.
+    step = jax.jit(jax.value_and_grad(fn, argnums=(0, *floating)), static_argnums=len(args) + 1)
+    plain_value, plain_grads = step(params, *args, False)
+    lean_value, lean_grads = step(params, *args, True)
+    chex.assert_trees_all_close(lean_value, plain_value, **TOL)
+    chex.assert_trees_all_close(lean_grads, plain_grads, **TOL)
+    return tuple(bsr_jax.residual_bytes(lambda p, *a: fn(p, *a, lean), params, *args) for lean in (False, True))
+
+
+def test_linen_norms_keep_only_their_input():
+    x = normal((4, 6, 32))
+    cotangent = normal((4, 6, 32), seed=1)
+    for norm in (nn.LayerNorm(), nn.RMSNorm(), nn.GroupNorm(num_groups=4)):
+        variables = tpm.jitter(norm.init(jax.random.key(0), x))
+
+        def loss(variables, inputs, lean):
+            x, cotangent = inputs
+            with lean_neighbours(lean):
+                y = norm.apply(variables, x)
+            return probe(y, cotangent)
+
+        plain_y = norm.apply(variables, x)
+        with lean_neighbours():
+            assert jnp.array_equal(norm.apply(variables, x), plain_y)
+        plain, lean = compare(loss, variables, (x, cotangent))
+        assert (lean.inputs, lean.activations) == (x.nbytes, cotangent.nbytes), type(norm).__name__
+        assert plain.total > lean.total
+
+
+def test_batch_norm_training_updates_statistics_and_keeps_only_its_input():
+    x = normal((16, 32)) * 3 + 1
+    cotangent = normal((16, 32), seed=1)
+    norm = nn.BatchNorm(use_running_average=False, momentum=0.9)
+    variables = tpm.jitter(norm.init(jax.random.key(0), x))
+
+    def apply(params, x, lean):
+        with lean_neighbours(lean):
+            return norm.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"])
+
+    (y_plain, stats_plain), (y_lean, stats_lean) = apply(variables["params"], x, False), apply(variables["params"], x, True)
+    assert jnp.array_equal(y_plain, y_lean)
+    chex.assert_trees_all_equal(stats_lean, stats_plain)
+    assert not jnp.allclose(stats_lean["batch_stats"]["mean"], variables["batch_stats"]["mean"])
+    plain, lean = compare(lambda p, xc, lean: probe(apply(p, xc[0], lean)[0], xc[1]), variables["params"], (x, cotangent))
+    assert (lean.inputs, lean.activations) == (x.nbytes, cotangent.nbytes)
+    assert plain.total > lean.total
+
+
+def test_batch_norm_statistics_update_under_jit_value_and_grad():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.relu(nn.BatchNorm(use_running_average=False)(nn.Dense(16)(x))))
+
+    x = normal((8, 4))
+    variables = Net().init(jax.random.key(0), x)
+
+    @jax.jit
+    def step(params, x):
+        def loss(params):
+            with lean_neighbours():
+                y, updates = Net().apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"])
+            return jnp.sum(y**2), updates
+
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    def plain_loss(params):
+        y, updates = Net().apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"])
+        return jnp.sum(y**2), updates
+
+    (value, updates), grads = step(variables["params"], x)
+    (plain_value, plain_updates), plain_grads = jax.value_and_grad(plain_loss, has_aux=True)(variables["params"])
+    chex.assert_trees_all_close((value, updates, grads), (plain_value, plain_updates, plain_grads), **TOL)
+
+
+# Looked up at call time, as model code does (``nn.gelu(x)``): that is what the context replaces.
+SMOOTH = {
+    "nn.gelu": lambda x: nn.gelu(x),
+    "jax.nn.gelu": lambda x: jax.nn.gelu(x),
+    "nn.gelu exact": lambda x: nn.gelu(x, approximate=False),
+    "nn.silu": lambda x: nn.silu(x),
+    "nn.swish": lambda x: nn.swish(x),
+    "nnx.silu": lambda x: nnx.silu(x),
+}
+RELU = {"nn.relu": lambda x: nn.relu(x), "jax.nn.relu": lambda x: jax.nn.relu(x), "nnx.relu": lambda x: nnx.relu(x)}
+
+
+@pytest.mark.parametrize("name", SMOOTH)
+def test_smooth_activations_keep_only_their_input(name):
+    activation = SMOOTH[name]
+    x, cotangent = normal((8, 64)), normal((8, 64), seed=1)
+
+    def loss(_, inputs, lean):
+        x, cotangent = inputs
+        with lean_neighbours(lean):
+            return probe(activation(x), cotangent)
+
+    plain, lean = compare(loss, {}, (x, cotangent))
+    assert (lean.inputs, lean.activations) == (x.nbytes, cotangent.nbytes)
+    assert plain.total > lean.total
+
+
+@pytest.mark.parametrize("name", RELU)
+def test_relu_keeps_a_one_bit_mask(name):
+    relu = RELU[name]
+    x = normal((8, 61)).at[0, :4].set(0.0)  # odd size pads the last byte; zeros take derivative 0
+    cotangent = normal((8, 61), seed=1)
+
+    def loss(_, inputs, lean):
+        x, cotangent = inputs
+        with lean_neighbours(lean):
+            return probe(relu(x), cotangent)
+
+    plain, lean = compare(loss, {}, (x, cotangent))
+    kept = sorted((r.shape, r.dtype) for r in lean.residuals)
+    assert kept == sorted([((math.ceil(8 * 61 / 8),), "uint8"), (cotangent.shape, "float32")])
+    assert plain.total > lean.total
+
+
+def test_relu_forward_mode_matches():
+    x, t = normal((5, 7)), normal((5, 7), seed=1)
+    plain = jax.jvp(lambda x: jax.nn.relu(x), (x,), (t,))
+    with lean_neighbours():
+        lean = jax.jvp(lambda x: jax.nn.relu(x), (x,), (t,))
+    chex.assert_trees_all_equal(lean, plain)
+
+
+def test_dot_product_attention_recomputes_probabilities_with_the_same_dropout():
+    batch, length, heads, depth = 2, 12, 3, 8
+    q, k, v = (normal((batch, length, heads, depth), seed=s) for s in range(3))
+    bias = normal((1, heads, length, length), seed=3)  # broadcast: (B, H, T, T) is the probabilities' shape
+    mask = nn.make_causal_mask(jnp.ones((batch, length)))
+    rng = jax.random.key(7)
+
+    def loss(_, qkv, lean):
+        with lean_neighbours(lean):
+            out = nn.dot_product_attention(*qkv, bias=bias, mask=mask, dropout_rng=rng, dropout_rate=0.3, deterministic=False)
+        return jnp.sum(jnp.sin(out))
+
+    plain, lean = compare(loss, {}, (q, k, v))
+    square = (batch, heads, length, length)
+    assert [r.shape for r in lean.residuals].count(square) == 0  # no probabilities or dropout masks
+    assert [r.shape for r in plain.residuals].count(square) >= 3
+
+
+def test_multi_head_attention_default_attention_fn_is_lean_with_dropout():
+    x = normal((2, 10, 16))
+    attention = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.5, deterministic=False)
+    params = attention.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+
+    def loss(params, x, lean):
+        with lean_neighbours(lean):
+            return jnp.sum(attention.apply(params, x, rngs={"dropout": jax.random.key(2)}) ** 2)
+
+    plain, lean = compare(loss, params, x)
+    assert not [r for r in lean.residuals if r.shape == (2, 2, 10, 10)]
+    assert plain.activations > lean.activations
+    assert attention.attention_fn is nn.dot_product_attention  # restored on exit
+
+
+@pytest.mark.parametrize("name", ["vit", "lm", pytest.param("mixer", marks=pytest.mark.slow)])  # vit covers mixer's parts
+def test_third_party_models_forward_bits_gradients_and_bytes(name):
+    c = dataclasses.replace(tpm.TINY, layers=1)
+    model, x, target, task_loss = {
+        "mixer": (tpm.mixer(c), tpm.images(c), tpm.labels(c), tpm.classifier_loss),
+        "vit": (tpm.vit(c, dropout_rate=0.1), tpm.images(c), tpm.labels(c), tpm.classifier_loss),
+        "lm": (tpm.lm(c, dropout_rate=0.1), tpm.tokens(c), tpm.tokens(c), tpm.lm_loss),
+    }[name]
+    params = tpm.jitter(jax.jit(model.init)(jax.random.key(0), x))
+    with lean_neighbours():
+        assert jax.tree.structure(jax.eval_shape(model.init, jax.random.key(0), x)) == jax.tree.structure(params)
+    kwargs = {"train": True} if name == "vit" else {}
+    rngs = {"dropout": jax.random.key(3)}
+
+    def loss(params, x, lean):
+        with lean_neighbours(lean):
+            return task_loss(model.apply(params, x, rngs=rngs, **kwargs), target)
+
+    plain, lean = compare(loss, params, x)
+    assert lean.activations < 0.7 * plain.activations
+    length = x.shape[1] if name == "lm" else (c.image // c.patch) ** 2 + 1
+    probabilities = (c.batch, c.heads, length, length)
+    assert (probabilities in [r.shape for r in plain.residuals]) == (name != "mixer")
+    assert probabilities not in [r.shape for r in lean.residuals]
+
+
+def test_nnx_norms_and_model():
+    x = normal((4, 16))
+    for norm in (nnx.LayerNorm(16, rngs=nnx.Rngs(0)), nnx.RMSNorm(16, rngs=nnx.Rngs(0)), nnx.GroupNorm(16, num_groups=4, rngs=nnx.Rngs(0))):
+        graphdef, state = nnx.split(norm)
+        state = tpm.jitter(state)
+
+        def loss(state, x, lean):
+            with lean_neighbours(lean):
+                return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
+
+        plain, lean = compare(loss, state, x)
+        assert plain.total > lean.total, type(norm).__name__
+    model = tpm.nnx_mlp(tpm.TINY)
+    graphdef, state = nnx.split(model)
+
+    def model_loss(state, x, lean):
+        with lean_neighbours(lean):
+            return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
+
+    plain, lean = compare(model_loss, state, tpm.features(tpm.TINY))
+    assert lean.activations < 0.5 * plain.activations
+
+
+def test_nnx_batch_norm_training_updates_statistics():
+    x = normal((16, 8)) * 2 + 1
+    plain_norm, lean_norm = (nnx.BatchNorm(8, use_running_average=False, rngs=nnx.Rngs(0)) for _ in range(2))
+    y_plain = plain_norm(x)
+    with lean_neighbours():
+        y_lean = lean_norm(x)
+    assert jnp.array_equal(y_lean, y_plain)
+    chex.assert_trees_all_equal(nnx.state(lean_norm), nnx.state(plain_norm))
+    assert not jnp.allclose(lean_norm.mean[...], 0.0)
+
+
+def test_everything_restored_on_exit_and_on_error_and_off_switch():
+    originals = (jax.nn.gelu, nn.gelu, nn.relu, nnx.silu, nn.dot_product_attention, nnx.LayerNorm.__call__)
+    with pytest.raises(RuntimeError, match="boom"):
+        with lean_neighbours():
+            assert jax.nn.gelu is not originals[0]
+            with lean_neighbours():  # nested: a no-op
+                pass
+            assert nn.relu is not originals[2]
+            raise RuntimeError("boom")
+    assert (jax.nn.gelu, nn.gelu, nn.relu, nnx.silu, nn.dot_product_attention, nnx.LayerNorm.__call__) == originals
+    x = normal((4, 32))
+    layer = nn.LayerNorm()
+    variables = layer.init(jax.random.key(0), x)
+
+    def loss(variables, x, lean):
+        with lean_neighbours(enabled=False):
+            return jnp.sum(nn.gelu(layer.apply(variables, x)))
+
+    plain = bsr_jax.residual_bytes(lambda v, x: loss(v, x, True), variables, x)
+    with lean_neighbours(enabled=False):
+        assert nn.gelu is originals[1]
+    assert plain.activations > x.nbytes
