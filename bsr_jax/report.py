@@ -1,0 +1,198 @@
+"""Where the backward pass keeps its bytes: a table of residuals by module path and kind.
+
+``residual_report(loss, params, *args)`` traces ``jax.vjp`` of the loss (nothing runs), takes the
+residuals its VJP closure holds (each distinct array once, as ``bsr_jax.residual_bytes`` counts
+them), and, for each one, finds the forward equation that produced it and the backward equations
+that read it. Module paths come from the name stack Flax (linen's named scopes) records in each
+equation's source info, with JAX's transform wrappers (``jvp(...)``, ``transpose(...)``) removed;
+arrays produced outside any module have the path ``""``.
+
+Kinds, in order of precedence:
+
+* ``parameter``: computed from the parameters (first argument) alone, e.g. a kernel or a reshaped
+  LayerNorm scale; the same bytes at any batch size;
+* ``input``: another argument (e.g. the batch) or a view of one (reshape, transpose, dtype cast);
+* ``shared``: an activation the backward pass reads in several modules (one kept array serving,
+  e.g., the q, k and v projections), compressed or not;
+* ``compressed``: an array of a bsr_jax block-sparse residual (named ``RESIDUAL_NAME``);
+* ``dense``: any other activation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend as jex
+
+from bsr_jax.format import RESIDUAL_NAME
+from bsr_jax.memory import MIB, _aval_bytes
+
+KINDS = ("parameter", "input", "shared", "compressed", "dense")
+# Primitives that only relabel, reshape or repack their input: a compressed array stays compressed
+# through them (e.g. a view of the kept blocks).
+_VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRow:
+    """One distinct array kept for the backward pass.
+
+    path: module path of the equation that produced it (``"Mixer/MixerBlock_0/LayerNorm_0"``), or
+      for an argument kept as is its tree path (``"0/params/Dense_0/kernel"``: argument 0);
+    kind: one of ``KINDS``; readers: module paths of the backward equations that read it.
+    """
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    readers: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualReport:
+    """The residuals of a loss's VJP, in program order, with totals by kind."""
+
+    rows: tuple[ReportRow, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    def totals(self) -> dict[str, int]:
+        """Bytes by kind (every kind of ``KINDS`` present, zeros included) and ``"total"``."""
+        by_kind = {kind: sum(r.nbytes for r in self.rows if r.kind == kind) for kind in KINDS}
+        return {**by_kind, "total": self.total}
+
+    def by_path(self) -> dict[tuple[str, str], int]:
+        """Bytes by (module path, kind), in order of first appearance."""
+        grouped: dict[tuple[str, str], int] = {}
+        for r in self.rows:
+            grouped[(r.path, r.kind)] = grouped.get((r.path, r.kind), 0) + r.nbytes
+        return grouped
+
+    def format(self, *, group: bool = True) -> str:
+        """A text table; ``group=True``: one line per (module path, kind), else one per array."""
+        width = max([len(r.path) for r in self.rows] + [len("module path")])
+        lines = [f"{'module path':<{width}} {'kind':<10} {'arrays':>6} {'KiB':>10}  shapes -> read by"]
+        groups: dict[tuple[str, str], list[ReportRow]] = {}
+        for r in self.rows:
+            groups.setdefault((r.path, r.kind) if group else (r.path, r.kind, id(r)), []).append(r)
+        for (path, kind, *_), rows in groups.items():
+            shapes: dict[str, int] = {}
+            for r in rows:
+                text = f"{r.dtype}[{','.join(map(str, r.shape))}]"
+                shapes[text] = shapes.get(text, 0) + 1
+            shape_text = ", ".join(f"{n}x {s}" if n > 1 else s for s, n in shapes.items())
+            readers = sorted({reader for r in rows for reader in r.readers})
+            nbytes = sum(r.nbytes for r in rows)
+            lines.append(f"{path or '-':<{width}} {kind:<10} {len(rows):>6} {nbytes / 1024:>10.1f}  {shape_text} -> {', '.join(readers) or '-'}")
+        totals = self.totals()
+        lines.append(", ".join(f"{kind} {totals[kind] / MIB:.3f}" for kind in KINDS) + f"; total {self.total / MIB:.3f} MiB")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+_TRANSFORM = re.compile(r"^\w+\((.*)\)$")
+
+
+def module_path(name_stack: Any) -> str:
+    """A module path from an equation's name stack: ``"transpose(jvp(Net))/Dense_0/transpose()"``
+    -> ``"Net/Dense_0"``. Method scopes (``"LayerNorm_0.normalise"``) and repeated scopes that
+    lifted transforms (``nn.checkpoint``) add are dropped."""
+    parts = []
+    for part in str(name_stack).split("/"):
+        while (match := _TRANSFORM.match(part)) is not None:
+            part = match.group(1)
+        if part and "." not in part and (not parts or parts[-1] != part):
+            parts.append(part)
+    if parts and parts[0] in parts[1:]:  # a nested jaxpr's stack restarts at the root
+        last_root = len(parts) - 1 - parts[::-1].index(parts[0])
+        parts = parts[:1] + [p for p in parts[last_root + 1 :] if p not in parts[:1]]
+    return "/".join(parts)
+
+
+def _parameter_derived(jaxpr, n_params: int) -> set:
+    """Variables of ``jaxpr`` computed from its first ``n_params`` inputs (and constants) alone."""
+    derived = set(jaxpr.invars[:n_params])
+    neutral = set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        sources = {v for v in eqn.invars if isinstance(v, jex.core.Var)} - neutral
+        if sources and sources <= derived:
+            derived.update(eqn.outvars)
+        elif not sources:
+            neutral.update(eqn.outvars)
+    return derived
+
+
+def _through_views(var, producers: dict) -> tuple[Any, bool]:
+    """The variable ``var`` is a view of (following ``_VIEWS`` and ``checkpoint_name``), and whether
+    the chain passes a bsr_jax residual name."""
+    compressed = False
+    while (eqn := producers.get(var)) is not None:
+        if eqn.primitive.name == "name":
+            compressed = compressed or eqn.params.get("name") == RESIDUAL_NAME
+        elif eqn.primitive.name not in _VIEWS:
+            break
+        var = eqn.invars[0]
+    return var, compressed
+
+
+def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> ResidualReport:
+    """What ``jax.vjp(fn, params, *args)`` keeps for the backward pass, by module path and kind.
+
+    Nothing runs (``params``/``args`` may be ``jax.ShapeDtypeStruct``s). The rows sum to
+    ``bsr_jax.residual_bytes(fn, params, *args).total``; see the module docstring for the kinds.
+    """
+    vjp_structure = {}
+
+    def forward(params, *args):
+        out, vjp_fn = jax.vjp(fn, params, *args)
+        residuals, vjp_structure["treedef"] = jax.tree.flatten(vjp_fn)
+        vjp_structure["out"] = jax.ShapeDtypeStruct(out.shape, out.dtype)
+        return residuals
+
+    closed = jax.make_jaxpr(forward)(params, *args)
+    fwd = closed.jaxpr
+    kept = [v for v in fwd.outvars if isinstance(v, jex.core.Var)]
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in fwd.outvars]
+    backward = jax.make_jaxpr(lambda residuals, ct: jax.tree.unflatten(vjp_structure["treedef"], residuals)(ct))(avals, vjp_structure["out"])
+
+    readers: dict[Any, set[str]] = {v: set() for v in kept}
+    forward_of = dict(zip(backward.jaxpr.invars, fwd.outvars))
+    for eqn in backward.jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jex.core.Var) and isinstance(forward_of.get(v), jex.core.Var):
+                readers[forward_of[v]].add(module_path(eqn.source_info.name_stack))
+
+    producers = {v: eqn for eqn in fwd.eqns for v in eqn.outvars}
+    n_params = len(jax.tree.leaves(params))
+    from_params = _parameter_derived(fwd, n_params)
+    inputs = set(fwd.invars[n_params:])
+    argument_paths = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in jax.tree_util.tree_flatten_with_path((params, *args))[0]]
+    argument_path = dict(zip(fwd.invars, argument_paths))
+    rows = []
+    for v in dict.fromkeys(kept):  # each distinct array once, in the order the closure holds them
+        eqn = producers.get(v)
+        source, compressed = _through_views(v, producers)
+        if v in from_params:
+            kind = "parameter"
+        elif source in inputs:
+            kind = "input"
+        elif len(readers[v]) > 1:
+            kind = "shared"
+        else:
+            kind = "compressed" if compressed else "dense"
+        path = module_path(eqn.source_info.name_stack) if eqn is not None else argument_path.get(v, "")
+        rows.append(ReportRow(path, kind, tuple(v.aval.shape), str(v.aval.dtype), _aval_bytes(v), tuple(sorted(readers[v]))))
+    for v in fwd.outvars:
+        if isinstance(v, jex.core.Literal):  # a constant the closure holds, e.g. a scalar
+            rows.append(ReportRow("", "dense", tuple(v.aval.shape), str(v.aval.dtype), _aval_bytes(v), ()))
+    return ResidualReport(tuple(rows))

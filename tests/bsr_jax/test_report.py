@@ -1,0 +1,102 @@
+"""residual_report: every kept array once, at the module that produced it, with the right kind."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import third_party_models as tpm
+
+import bsr_jax
+from bsr_jax.lean import lean_neighbours
+from bsr_jax.report import KINDS, module_path, residual_report
+
+
+class Block(nn.Module):
+    """LayerNorm feeding q, k, v (one kept array read by three layers), a pruned layer, GELU."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        h = h + nn.MultiHeadDotProductAttention(num_heads=2)(h)
+        h = bsr_jax.Dense(32, sparsity=0.5, block=4)(h)
+        return nn.Dense(4)(nn.gelu(h))
+
+
+def block_report():
+    x = jax.ShapeDtypeStruct((2, 8, 16), jnp.float32)  # nothing runs: shapes are enough
+    params = jax.eval_shape(Block().init, jax.random.key(0), x)
+    loss = lambda p, x: jnp.sum(Block().apply(p, x) ** 2)
+    return residual_report(loss, params, x), bsr_jax.residual_bytes(loss, params, x)
+
+
+def test_rows_sum_to_residual_bytes_and_each_array_once():
+    report, counted = block_report()
+    assert report.total == counted.total == report.totals()["total"]
+    assert len(report.rows) == len(counted.residuals)
+    assert sum(v for k, v in report.totals().items() if k != "total") == report.total
+    assert set(report.totals()) == {*KINDS, "total"}
+
+
+def test_a_reused_kernel_is_one_parameter_row():
+    w, x = jnp.ones((16, 16)), jnp.ones((4, 16))
+    report = residual_report(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)), w, x)
+    assert [(r.kind, r.shape) for r in report.rows if r.kind == "parameter"] == [("parameter", (16, 16))]
+
+
+def test_kinds_and_paths():
+    report, _ = block_report()
+    rows = {(r.path, r.kind): r for r in report.rows}
+    assert rows[("0/params/Dense_0/kernel", "parameter")].shape == (16, 32)
+    compressed = [r for r in report.rows if r.kind == "compressed"]
+    assert compressed and {r.path for r in compressed} == {"Block/Dense_0"}
+    assert {r.readers for r in compressed} == {("Block/Dense_0",)}
+    (shared,) = [r for r in report.rows if r.kind == "shared"]
+    attention = "Block/MultiHeadDotProductAttention_0"
+    assert shared.path == "Block/LayerNorm_0" and shared.shape == (2, 8, 16)
+    assert set(shared.readers) == {f"{attention}/query", f"{attention}/key", f"{attention}/value"}
+    assert ("Block/LayerNorm_0", "parameter") in rows  # the scale, reshaped for broadcasting
+    assert [r for r in report.rows if r.kind == "input"] == []  # LayerNorm keeps x - mean, not x
+    dense_paths = {r.path for r in report.rows if r.kind == "dense"}
+    assert {"Block/LayerNorm_0", attention, "Block"} <= dense_paths
+
+
+def test_an_input_kept_as_is_or_reshaped_is_an_input():
+    w, x = jnp.ones((16, 8)), jnp.ones((2, 4, 16))
+    report = residual_report(lambda w, x: jnp.sum(x.reshape(8, 16) @ w), w, x)
+    assert [(r.kind, r.path, r.shape) for r in report.rows if r.kind != "parameter"] == [("input", "", (8, 16))]
+
+
+def test_module_path_removes_transform_wrappers_and_lifted_repeats():
+    assert module_path("transpose(jvp(Net))/Dense_0/transpose()") == "Net/Dense_0"
+    assert module_path("jvp(Net)/LayerNorm_0/LayerNorm_0.normalise/LayerNorm_0") == "Net/LayerNorm_0"
+    assert module_path("transpose(jvp(Net))/LayerNorm_0/jvp(Net)/LayerNorm_0") == "Net/LayerNorm_0"
+    assert module_path("jvp()") == ""
+
+
+def test_format_groups_by_path_and_kind():
+    report, _ = block_report()
+    text = str(report)
+    assert text == report.format()
+    lines = text.splitlines()
+    assert len(lines) == 1 + len(report.by_path()) + 1
+    assert any(line.startswith("Block/Dense_0") and " compressed " in line for line in lines)
+    assert lines[-1].endswith(f"total {report.total / 2**20:.3f} MiB")
+    assert len(report.format(group=False).splitlines()) == 1 + len(report.rows) + 1
+
+
+def test_lean_vit_keeps_no_attention_probabilities_per_the_report():
+    c = tpm.TINY
+    model, x, labels = tpm.vit(c), jax.ShapeDtypeStruct((c.batch, c.image, c.image, 3), jnp.float32), tpm.labels(c)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+
+    def loss(params, x, lean):
+        with lean_neighbours(lean):
+            return tpm.classifier_loss(model.apply(params, x), labels)
+
+    tokens = (c.image // c.patch) ** 2 + 1
+    probabilities = (c.batch, c.heads, tokens, tokens)
+    plain, lean = (residual_report(lambda p, x: loss(p, x, lean), params, x) for lean in (False, True))
+    attention_rows = [r for r in plain.rows if r.shape == probabilities]
+    assert attention_rows and all(r.path.endswith("MultiHeadDotProductAttention_0") for r in attention_rows)
+    assert not [r for r in lean.rows if r.shape == probabilities]
+    assert lean.totals()["parameter"] >= plain.totals()["parameter"]  # lean norms keep their scales
+    assert lean.totals()["dense"] < 0.5 * plain.totals()["dense"]
