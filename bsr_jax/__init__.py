@@ -4,9 +4,11 @@ from bsr_jax.conv import Conv, compressed_conv
 from bsr_jax.elementwise import bsr_scale_shift
 from bsr_jax.format import BlockSparse, Pruning, capacity_for, from_dense
 from bsr_jax.layers import Affine, Dense, LayerScale
+from bsr_jax.lean import lean_neighbours
 from bsr_jax.linear import bsr_linear
 from bsr_jax.pooling import Pooling
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
+from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, program_order_peak, remat_policy, residual_bytes
 
 __all__ = [
@@ -32,4 +34,7 @@ __all__ = [
     "program_order_peak",
     "remat_policy",
     "residual_bytes",
+    "lean_neighbours",
+    "ResidualReport",
+    "residual_report",
 ]
