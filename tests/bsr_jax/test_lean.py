@@ -1,6 +1,7 @@
 """Lean neighbours: same forward bits, the gradients of plain autodiff, fewer residual bytes."""
 
 import dataclasses
+import functools
 import math
 
 import chex
@@ -26,15 +27,17 @@ def probe(y, weights):
     return jnp.sum(y * jax.lax.stop_gradient(weights))
 
 
-def compare(fn, params, *args):
+def compare(fn, params, *args, jit=False):
     """fn(params, *args, lean) -> scalar: checks the value's bits and the gradients (params and float
-    args; jitted, as training runs), returns the residuals of plain and lean."""
+    args), returns the residuals of plain and lean. ``jit``: compiled, as training runs (faster than
+    op-by-op for whole models)."""
     floating = [i for i, a in enumerate(args, 1) if all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(a))]
-    forward = jax.jit(fn, static_argnums=len(args) + 1)
+    transform = functools.partial(jax.jit, static_argnums=len(args) + 1) if jit else (lambda f: f)
+    forward = transform(fn)
     assert forward(params, *args, False) == forward(params, *args, True)
     # Within one fwd+bwd program XLA may fuse the (recomputed) forward differently, so the value
     # there is only close; the bits are checked on the forward program above.
-    step = jax.jit(jax.value_and_grad(fn, argnums=(0, *floating)), static_argnums=len(args) + 1)
+    step = transform(jax.value_and_grad(fn, argnums=(0, *floating)))
     plain_value, plain_grads = step(params, *args, False)
     lean_value, lean_grads = step(params, *args, True)
     chex.assert_trees_all_close(lean_value, plain_value, **TOL)
@@ -172,7 +175,7 @@ def test_dot_product_attention_recomputes_probabilities_with_the_same_dropout():
             out = nn.dot_product_attention(*qkv, bias=bias, mask=mask, dropout_rng=rng, dropout_rate=0.3, deterministic=False)
         return jnp.sum(jnp.sin(out))
 
-    plain, lean = compare(loss, {}, (q, k, v))
+    plain, lean = compare(loss, {}, (q, k, v), jit=True)
     square = (batch, heads, length, length)
     assert [r.shape for r in lean.residuals].count(square) == 0  # no probabilities or dropout masks
     assert [r.shape for r in plain.residuals].count(square) >= 3
@@ -211,7 +214,7 @@ def test_third_party_models_forward_bits_gradients_and_bytes(name):
         with lean_neighbours(lean):
             return task_loss(model.apply(params, x, rngs=rngs, **kwargs), target)
 
-    plain, lean = compare(loss, params, x)
+    plain, lean = compare(loss, params, x, jit=True)
     assert lean.activations < 0.7 * plain.activations
     length = x.shape[1] if name == "lm" else (c.image // c.patch) ** 2 + 1
     probabilities = (c.batch, c.heads, length, length)
@@ -229,7 +232,7 @@ def test_nnx_norms_and_model():
             with lean_neighbours(lean):
                 return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
 
-        plain, lean = compare(loss, state, x)
+        plain, lean = compare(loss, state, x, jit=True)
         assert plain.total > lean.total, type(norm).__name__
     model = tpm.nnx_mlp(tpm.TINY)
     graphdef, state = nnx.split(model)
@@ -238,7 +241,7 @@ def test_nnx_norms_and_model():
         with lean_neighbours(lean):
             return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
 
-    plain, lean = compare(model_loss, state, tpm.features(tpm.TINY))
+    plain, lean = compare(model_loss, state, tpm.features(tpm.TINY), jit=True)
     assert lean.activations < 0.5 * plain.activations
 
 
