@@ -278,3 +278,14 @@ def test_everything_restored_on_exit_and_on_error_and_off_switch():
     with lean_neighbours(enabled=False):
         assert nn.gelu is originals[1]
     assert plain.activations > x.nbytes
+
+
+def test_attention_that_sows_its_weights_runs_unchanged():
+    x = normal((2, 6, 8))
+    attention = nn.MultiHeadDotProductAttention(num_heads=2)
+    params = attention.init(jax.random.key(0), x)
+    plain, plain_state = attention.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    with lean_neighbours():
+        lean, lean_state = attention.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    assert jnp.array_equal(lean, plain)
+    chex.assert_trees_all_equal(lean_state, plain_state)
