@@ -1,5 +1,6 @@
 """bsr-jax: block-sparse activation residuals for memory-efficient training in JAX/Flax."""
 
+from bsr_jax.compress import compress_model
 from bsr_jax.conv import Conv, compressed_conv
 from bsr_jax.elementwise import bsr_scale_shift
 from bsr_jax.format import BlockSparse, Pruning, capacity_for, from_dense
@@ -12,6 +13,7 @@ from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, program_order_peak, remat_policy, residual_bytes
 
 __all__ = [
+    "compress_model",
     "Conv",
     "Pooling",
     "compressed_conv",

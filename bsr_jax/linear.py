@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -11,7 +12,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from bsr_jax import backends
-from bsr_jax.format import Pruning, as_pruning, check_key
+from bsr_jax.format import BlockSparse, Pruning, as_pruning, check_key
+
+
+Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,11 +23,25 @@ class _Config:
     pruning: Pruning
     backend: str
     precision: lax.PrecisionLike
+    dims: Dims  # x's trailing axes contracted with w's leading axes, in order; no batch axes
+    x_shape: tuple[int, ...]
 
 
-def _matmul(x: jax.Array, w: jax.Array, precision: lax.PrecisionLike) -> jax.Array:
-    # The same call as flax.linen.Dense, so sparsity 0 and the sparse forward are bit-identical to it.
-    return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+def linear_dims(x_ndim: int, contracted: int = 1) -> Dims:
+    """``dot_general`` dimension numbers contracting x's last ``contracted`` axes with w's first."""
+    return ((tuple(range(x_ndim - contracted, x_ndim)), tuple(range(contracted))), ((), ()))
+
+
+def is_linear_dims(dims: Dims, x_ndim: int) -> bool:
+    """Whether ``dims`` is a plain linear map (the form ``linear_dims`` makes): what the op supports."""
+    (x_axes, w_axes), batch = dims
+    n = len(x_axes)
+    return batch == ((), ()) and n >= 1 and tuple(x_axes) == linear_dims(x_ndim, n)[0][0] and tuple(w_axes) == tuple(range(n))
+
+
+def _dot(x, w, config: _Config):
+    # The same call as flax's Dense / DenseGeneral, so the forward is bit-identical to theirs.
+    return lax.dot_general(x, w, config.dims, precision=config.precision)
 
 
 def check_floating(name: str, a: jax.Array) -> None:
@@ -32,26 +50,74 @@ def check_floating(name: str, a: jax.Array) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _pruned_matmul(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) -> jax.Array:
-    return _matmul(x, w, config.precision)
+def _pruned_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) -> jax.Array:
+    return _dot(x, w, config)
 
 
-def _pruned_matmul_fwd(x, w, key, config):
+def _pruned_dot_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
-    return _matmul(x, w, config.precision), (config.pruning.compress(x, key), w)
+    contracted = len(config.dims[0][0])
+    x2 = x.reshape(*x.shape[: x.ndim - contracted], -1)
+    return _dot(x, w, config), (config.pruning.compress(x2, key), w)
 
 
-def _pruned_matmul_bwd(config, residuals, dy):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dot_with_blocks(x: jax.Array, w: jax.Array, blocks: BlockSparse, config: _Config) -> jax.Array:
+    """The same product, with x's compressed blocks computed by the caller (shared between the
+    layers that read one x: each keeps the same arrays, so they are held once)."""
+    return _dot(x, w, config)
+
+
+def _dot_with_blocks_fwd(x, w, blocks, config):
+    return _dot(x, w, config), (blocks, w)
+
+
+def _pruned_dot_bwd(config, residuals, dy):
     blocks, w = residuals
     blocks = blocks.dequantized()
-    dx = lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), precision=config.precision)
-    dy2 = dy.reshape(-1, dy.shape[-1])
+    # dx needs w only: dy contracted with w's output axes, as autodiff of the dense product does
+    # (and, unlike a transpose of a fresh function, it varies over the same mesh axes as dy).
+    out_axes = w.ndim - len(config.dims[0][1])
+    dims = ((tuple(range(dy.ndim - out_axes, dy.ndim)), tuple(range(w.ndim - out_axes, w.ndim))), ((), ()))
+    dx = lax.dot_general(dy, w, dims, precision=config.precision)
+    k = blocks.shape[1]
+    dy2 = dy.reshape(-1, math.prod(w.shape) // k)
     dy2 = jnp.pad(dy2, ((0, blocks.padded_shape[0] - dy2.shape[0]), (0, 0)))
-    dw = backends.dw_from_blocks(blocks, dy2, config.backend)[: w.shape[0]]
-    return dx.astype(blocks.values.dtype), dw.astype(w.dtype), None
+    dw = backends.dw_from_blocks(blocks, dy2, config.backend)[:k].reshape(w.shape)
+    return dx.astype(blocks.values.dtype), dw.astype(w.dtype)
 
 
-_pruned_matmul.defvjp(_pruned_matmul_fwd, _pruned_matmul_bwd)
+_pruned_dot.defvjp(_pruned_dot_fwd, lambda config, res, dy: (*_pruned_dot_bwd(config, res, dy), None))
+_dot_with_blocks.defvjp(
+    _dot_with_blocks_fwd, lambda config, res, dy: (*_pruned_dot_bwd(config, res, dy), None)
+)
+
+
+def pruned_dot_general(
+    x: jax.Array,
+    w: jax.Array,
+    dims: Dims,
+    *,
+    pruning: Pruning,
+    key: jax.Array | None = None,
+    blocks: BlockSparse | None = None,
+    backend: str | None = None,
+    precision: lax.PrecisionLike = None,
+) -> jax.Array:
+    """``lax.dot_general(x, w, dims)`` for a plain linear map (``is_linear_dims``; x's trailing
+    axes against w's leading ones, e.g. ``nn.DenseGeneral``), with the residual of x compressed by
+    ``pruning`` (x flattened to ``(M, K)``, w to ``(K, N)``) or given as ``blocks``
+    (``pruning.compress`` of that flattened x, computed once by the caller and shared). Forward and
+    dx exact; dW as in ``bsr_linear``. Where ``pruning`` would not save memory, it is the plain
+    product."""
+    if not is_linear_dims(dims, x.ndim):
+        raise ValueError(f"pruned_dot_general supports x's trailing axes against w's leading axes only, got {dims}")
+    config = _Config(pruning, backends.resolve_backend(backend), precision, dims, tuple(x.shape))
+    if blocks is not None:
+        return _dot_with_blocks(x, w, jax.lax.stop_gradient(blocks), config)
+    if not pruning.saves_memory(x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1)):
+        return _dot(x, w, config)
+    return _pruned_dot(x, w, key, config)
 
 
 def bsr_linear(
@@ -96,11 +162,7 @@ def bsr_linear(
         raise ValueError(f"expected x (..., K) and w (K, N), got x {jnp.shape(x)} and w {jnp.shape(w)}")
     if jnp.result_type(x) != jnp.result_type(w):
         raise ValueError(f"x and w must share a dtype, got {jnp.result_type(x)} and {jnp.result_type(w)}")
-    backend = backends.resolve_backend(backend)
-    if pruning.saves_memory(x):
-        y = _pruned_matmul(x, w, key, _Config(pruning, backend, precision))
-    else:
-        y = _matmul(x, w, precision)
+    y = pruned_dot_general(x, w, linear_dims(jnp.ndim(x)), pruning=pruning, key=key, backend=backend, precision=precision)
     if b is not None:
         y += jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
     return y

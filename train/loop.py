@@ -310,7 +310,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
             json.dump({"config": config.to_json(), "run": run}, f, indent=2)
     dense = dense_counterpart(config)
     dense_loss = loss_function(create_model(dense, train_data.num_classes), train_data.num_classes, config.label_smoothing)
-    memory = metrics.memory_report(model, loss_fn, train_steps[1.0], state, image_shape, mesh, dense_loss_fn=dense_loss)
+    memory = metrics.memory_report(model, loss_fn, train_steps[1.0], state, image_shape, mesh, config.layer_sparsity, dense_loss_fn=dense_loss)
     log({"step": start_step, **memory})
     metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
 

@@ -26,32 +26,27 @@ import numpy as np
 from tqdm import tqdm
 
 import bsr_jax
-from bsr_jax.format import block_grid, capacity_for, normalize_block
+from bsr_jax.schedules import layer_sparsity
 
 MIB = 2**20
 
 
-def kept_block_fraction(model: nn.Module, params: Any, images: jax.ShapeDtypeStruct) -> float:
-    """Kept / total blocks over all pruned layers' inputs at this batch shape (1.0 if none is pruned)."""
+def kept_block_fraction(model: nn.Module, params: Any, images: jax.ShapeDtypeStruct, rules: Any = ()) -> float:
+    """Kept / total blocks over all pruned layers' inputs at this batch shape (1.0 if none is
+    pruned), under the per-layer sparsity ``rules`` the loss uses."""
     kept, total = 0, 0
-
-    def record(next_fun, args, kwargs, context):
-        nonlocal kept, total
-        module = context.module
-        if context.method_name == "__call__" and getattr(module, "sparsity", 0.0) > 0.0:
-            x = args[0]
-            grid = block_grid((math.prod(x.shape[:-1]), x.shape[-1]), normalize_block(module.block))
-            kept += capacity_for(grid, module.sparsity, module.selection)
-            total += grid[0] * grid[1]
-        return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(record):
-        jax.eval_shape(model.apply, {"params": params}, images)
+    with layer_sparsity(rules):
+        plan = bsr_jax.pruning_plan(model.apply, {"params": params}, images)
+    for layer in plan:
+        stored = layer.compression.stored_shape(layer.input)
+        kept += stored.capacity
+        total += math.prod(stored.grid)
     return kept / total if total else 1.0
 
 
 def memory_report(
-    model, loss_fn, compiled_step, state: dict[str, Any], batch_shape: tuple[int, ...], mesh, *, dense_loss_fn
+    model, loss_fn, compiled_step, state: dict[str, Any], batch_shape: tuple[int, ...], mesh, rules: Any = (),
+    *, dense_loss_fn,
 ) -> dict[str, Any]:
     """Per-device memory figures of one training step (computed from shapes; nothing runs).
 
@@ -75,7 +70,7 @@ def memory_report(
         "dense_residual_activation_mib": residual_mib(dense_loss_fn),
         "compiled_peak_mib": compiled.peak / MIB,
         "compiled_temp_mib": compiled.temp / MIB,
-        "kept_block_fraction": kept_block_fraction(model, params, images),
+        "kept_block_fraction": kept_block_fraction(model, params, images, rules),
     }
 
 

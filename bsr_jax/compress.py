@@ -1,0 +1,183 @@
+"""``compress_model(model, rules)``: block-pruned residuals for any Flax model, unmodified.
+
+Linen: the returned module is the same model (same class behaviour, attributes, ``init``/``apply``
+arguments and parameter tree) whose ``apply`` runs with the rules active. Each ``nn.Dense`` /
+``nn.DenseGeneral`` (and subclasses, e.g. ones overriding ``param``) whose path a rule matches gets
+its product from ``pruned_dot_general``: the module still creates, transforms and promotes its own
+parameters, and only the ``dot_general`` it calls is replaced, so the forward is bit-identical.
+bsr_jax layers inside the model follow the same rules. Layers that read the same array with the
+same compression (q, k and v from one LayerNorm output) compress it once and keep one residual.
+With ``lean=True`` (the default) the neighbours of the linear layers keep less too
+(``bsr_jax.lean``: norms, activations, attention; all exact).
+
+Not routed, left dense and listed by ``CompressedModel.unsupported_layers``: modules with their own
+``dot_general``/``dot_general_cls``, DenseGeneral with batch dims, non-float inputs.
+
+NNX: the matching ``nnx.Linear`` / ``nnx.LinearGeneral`` modules of the (in place) returned model
+get a compressing ``dot_general`` and, with ``lean``, the root's ``__call__`` runs inside
+``lean_neighbours``; parameters and ``nnx.split``/``merge``/``jit``/``grad`` are unchanged.
+Shared-input residuals and stochastic options need the linen path (no rng stream there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from bsr_jax import lean as lean_ops
+from bsr_jax import rules as rules_lib
+from bsr_jax.format import BlockSparse, Pruning
+from bsr_jax.layers import PrunedModule
+from bsr_jax.linear import is_linear_dims, pruned_dot_general
+from bsr_jax.rules import NO_MATCH, Rule
+
+ROUTED_LINEN = (nn.Dense, nn.DenseGeneral)
+ROUTED_NNX = (nnx.Linear, nnx.LinearGeneral)
+
+
+@dataclasses.dataclass
+class _SharedBlocks:
+    """Compressed inputs of one traced call, by (input array, compression): kept once however many
+    layers read them. Holds the arrays themselves so their ids stay unique while cached."""
+
+    cache: dict[tuple[int, Pruning], tuple[jax.Array, BlockSparse]] = dataclasses.field(default_factory=dict)
+    unsupported: list[str] = dataclasses.field(default_factory=list)
+
+    def blocks(self, x: jax.Array, pruning: Pruning, key: jax.Array | None) -> BlockSparse:
+        entry = self.cache.get((id(x), pruning))
+        if entry is None or entry[0] is not x:
+            flat = x.reshape(-1, x.shape[-1])
+            entry = self.cache[(id(x), pruning)] = (x, pruning.compress(jax.lax.stop_gradient(flat), key))
+        return entry[1]
+
+
+def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None, path: str):
+    def dot_general(x, w, dims, precision=None, **kwargs):
+        # preferred_element_type / out_sharding change the product itself: left to lax (dense).
+        if not is_linear_dims(dims, x.ndim) or any(v is not None for v in kwargs.values()):
+            if shared is not None:
+                shared.unsupported.append(f"{path}: dot_general {dims} {kwargs} is not a plain linear map")
+            return jax.lax.dot_general(x, w, dims, precision=precision, **kwargs)
+        rules_lib.record(path, pruning, x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1))
+        blocks = None
+        # Shared blocks are computed in the forward pass, so they need the key there; a stochastic
+        # layer without one keeps its own (which raises if it is differentiated).
+        x2 = x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1)
+        if shared is not None and len(dims[0][0]) == 1 and pruning.saves_memory(x2) and (key is not None or not pruning.needs_key):
+            blocks = shared.blocks(x, pruning, key)
+        return pruned_dot_general(x, w, dims, pruning=pruning, key=key, blocks=blocks, precision=precision)
+
+    return dot_general
+
+
+def _route_linen(shared: _SharedBlocks):
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__" or not isinstance(module, ROUTED_LINEN) or isinstance(module, PrunedModule):
+            return next_fun(*args, **kwargs)
+        compression = rules_lib.lookup(module)
+        if compression is NO_MATCH or compression is None or module.is_initializing():
+            return next_fun(*args, **kwargs)
+        path = rules_lib.module_path(module)
+        if module.dot_general is not None or module.dot_general_cls is not None or getattr(module, "batch_dims", ()):
+            shared.unsupported.append(f"{path}: own dot_general or batch dims; left dense")
+            return next_fun(*args, **kwargs)
+        key = module.make_rng("pruning") if compression.needs_key and module.has_rng("pruning") else None
+        # The module keeps computing its own parameters; only the product it calls is replaced.
+        object.__setattr__(module, "dot_general", _compressing_dot_general(compression, key, shared, path))
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "dot_general", None)
+
+    return interceptor
+
+
+@contextlib.contextmanager
+def compressing(rules: Sequence[Rule], *, lean: bool = True) -> Iterator[_SharedBlocks]:
+    """The context ``compress_model``'s linen modules apply under (usable around any linen apply)."""
+    shared = _SharedBlocks()
+    lean_context = lean_ops.lean_neighbours() if lean else contextlib.nullcontext()
+    with rules_lib.use_rules(rules), nn.intercept_methods(_route_linen(shared)), lean_context:
+        yield shared
+
+
+def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool) -> nn.Module:
+    base = type(model)
+
+    def apply(self, variables, *args, **kwargs):
+        with compressing(rules, lean=lean):
+            return base.apply(self, variables, *args, **kwargs)
+
+    def init_with_output(self, rngs, *args, **kwargs):
+        # Parameters are created by the original modules (compression only changes gradients); the
+        # rules are still resolved, so a rule naming no layer fails at init already.
+        with compressing(rules, lean=False):
+            return base.init_with_output(self, rngs, *args, **kwargs)
+
+    cls = type(base.__name__, (base,), {"apply": apply, "init_with_output": init_with_output, "__module__": base.__module__})
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init and f.name not in ("parent", "name")}
+    return cls(**fields)
+
+
+def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx.Module:
+    matched: set[int] = set()
+    patterns = [rule.pattern for rule in rules]
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, ROUTED_NNX):
+            continue
+        name = "/".join(str(p) for p in path)
+        i = rules_lib.first_match(patterns, name)
+        if i is None:
+            continue
+        matched.add(i)
+        compression = rules[i].compression
+        if compression is None:
+            continue
+        if compression.needs_key:
+            raise ValueError(f"{name}: stochastic pruning/rounding needs the linen path (NNX has no pruning rng here)")
+        module.dot_general = _compressing_dot_general(compression, None, None, name)
+    unmatched = [rules[i].pattern for i in range(len(rules)) if i not in matched]
+    if unmatched:
+        raise ValueError(f"rule pattern(s) {unmatched} matched no nnx.Linear / nnx.LinearGeneral")
+    if lean:
+        # NNX modules are called directly, outside any context of ours: the root's class becomes a
+        # subclass whose __call__ runs inside lean_neighbours (split/merge keep the subclass).
+        base = type(model)
+
+        def __call__(self, *args, **kwargs):
+            with lean_ops.lean_neighbours():
+                return base.__call__(self, *args, **kwargs)
+
+        model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+    return model
+
+
+def compress_model(model: Any, rules: Sequence[Rule], *, lean: bool = True) -> Any:
+    """``model`` with block-pruned residuals where ``rules`` say (first match by module path).
+
+    Args:
+      model: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module``.
+      rules: ``bsr_jax.Rule(pattern, compression)``; e.g. ``[Rule("*", Pruning(0.7, block=16))]``.
+      lean: also make norms, activations and attention keep less (exact; ``bsr_jax.lean``).
+
+    Returns:
+      linen: a module of a subclass of ``type(model)`` with the same attributes, whose ``init`` gives
+      the same parameter tree and whose ``apply`` compresses; NNX: ``model`` itself, routed in place.
+    """
+    rules = tuple(rules)
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise ValueError(f"rules must be bsr_jax.Rule objects, got {rule!r}")
+    if isinstance(model, nn.Module):
+        return _linen_compressed(model, rules, lean)
+    if isinstance(model, nnx.Module):
+        return _nnx_compress(model, rules, lean)
+    raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
+
