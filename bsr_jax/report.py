@@ -33,8 +33,8 @@ from bsr_jax.memory import MIB, _aval_bytes
 
 KINDS = ("parameter", "input", "shared", "compressed", "dense")
 # Primitives that only relabel, reshape or repack their input: a compressed array stays compressed
-# through them (e.g. a view of the kept blocks).
-_VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"})
+# through them (e.g. a view of the kept blocks, or compress_model's stop_gradient on them).
+_VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p", "stop_gradient", "optimization_barrier"})
 
 
 @dataclasses.dataclass(frozen=True)

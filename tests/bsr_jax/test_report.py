@@ -100,3 +100,16 @@ def test_lean_vit_keeps_no_attention_probabilities_per_the_report():
     assert not [r for r in lean.rows if r.shape == probabilities]
     assert lean.totals()["parameter"] >= plain.totals()["parameter"]  # lean norms keep their scales
     assert lean.totals()["dense"] < 0.5 * plain.totals()["dense"]
+
+
+def test_named_blocks_stay_compressed_through_views():
+    from jax.ad_checkpoint import checkpoint_name
+
+    from bsr_jax.format import RESIDUAL_NAME
+
+    def loss(w, x):
+        blocks = jax.lax.stop_gradient(checkpoint_name(jnp.tanh(x), RESIDUAL_NAME)).reshape(4, 4, 4)
+        return jnp.sum(blocks * w)  # dw needs the blocks
+
+    report = residual_report(loss, jnp.ones((4, 4, 4)), jnp.ones((16, 4)))
+    assert [(r.kind, r.shape) for r in report.rows] == [("compressed", (4, 4, 4))]
