@@ -24,9 +24,16 @@ CASES = {
 }
 
 
-def _inputs(shape, dtype, full_mantissas, seed=0):
-    kx, ks, kb, kdy = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(kx, shape) * jnp.linspace(0.2, 3.0, shape[-1]) if full_mantissas else bf16_exact_normal(kx, shape)
+def _inputs(shape, dtype, heavy_tailed_block=None, seed=0):
+    """x, scale, shift, dy; with ``heavy_tailed_block``, x has full float32 mantissas and one
+    log-normal scale per block (magnitudes e^+-3 apart), so priority sampling keeps blocks above its
+    threshold (rescale 1) as well as below it."""
+    kx, ks, kb, kdy, kbs = jax.random.split(jax.random.key(seed), 5)
+    x = bf16_exact_normal(kx, shape)
+    if heavy_tailed_block is not None:
+        (bm, bk), m, k = heavy_tailed_block, int(np.prod(shape[:-1])), shape[-1]
+        scales = jnp.exp(1.5 * jax.random.normal(kbs, (-(-m // bm), -(-k // bk))))
+        x = jax.random.normal(kx, shape) * jnp.repeat(jnp.repeat(scales, bm, 0), bk, 1)[:m, :k].reshape(shape)
     scale, shift = bf16_exact_normal(ks, shape[-1:]), bf16_exact_normal(kb, shape[-1:])
     return tuple(a.astype(dtype) for a in (x, scale, shift, bf16_exact_normal(kdy, shape)))
 
@@ -41,7 +48,9 @@ def _kept(x, options, key, dtype):
 @pytest.mark.parametrize("case", CASES)
 def test_scale_shift_grads_match_independent_reference(case):
     shape, dtype, options = CASES[case]
-    x, scale, shift, dy = _inputs(shape, dtype, full_mantissas="storage_dtype" in options or "stochastic" in options)
+    block = options["block"] if isinstance(options["block"], tuple) else (options["block"],) * 2
+    full_mantissas = "storage_dtype" in options or "stochastic" in options
+    x, scale, shift, dy = _inputs(shape, dtype, heavy_tailed_block=block if full_mantissas else None)
     key = jax.random.key(5) if options.get("stochastic") else None
     op = lambda x, s, b: bsr_scale_shift(x, s, b, sparsity=SPARSITY, key=key, **options)
     y, grads = jax.jit(lambda x, s, b, dy: (lambda y, vjp: (y, vjp(dy)))(*jax.vjp(op, x, s, b)))(x, scale, shift, dy)
