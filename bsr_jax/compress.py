@@ -46,18 +46,21 @@ class _SharedBlocks:
     """Compressed inputs of one traced call, by (input array, compression): kept once however many
     layers read them. Holds the arrays themselves so their ids stay unique while cached."""
 
-    cache: dict[tuple[int, Pruning], tuple[jax.Array, BlockSparse]] = dataclasses.field(default_factory=dict)
+    cache: dict[tuple[int, str, Pruning], tuple[Any, BlockSparse]] = dataclasses.field(default_factory=dict)
     unsupported: list[str] = dataclasses.field(default_factory=list)
 
-    def blocks(self, x: jax.Array, pruning: Pruning, key: jax.Array | None) -> BlockSparse:
-        entry = self.cache.get((id(x), pruning))
-        if entry is None or entry[0] is not x:
+    def blocks(self, source: Any, x: jax.Array, pruning: Pruning, key: jax.Array | None) -> BlockSparse:
+        """Blocks of ``x``, the product's operand made from the module input ``source`` (the same
+        object for every layer reading it; ``x`` may be a fresh dtype-promoted copy)."""
+        cache_key = (id(source), str(x.dtype), pruning)
+        entry = self.cache.get(cache_key)
+        if entry is None or entry[0] is not source:
             flat = x.reshape(-1, x.shape[-1])
-            entry = self.cache[(id(x), pruning)] = (x, pruning.compress(jax.lax.stop_gradient(flat), key))
+            entry = self.cache[cache_key] = (source, pruning.compress(jax.lax.stop_gradient(flat), key))
         return entry[1]
 
 
-def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None, path: str):
+def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None, path: str, source: Any = None):
     def dot_general(x, w, dims, precision=None, **kwargs):
         # preferred_element_type / out_sharding change the product itself: left to lax (dense).
         if not is_linear_dims(dims, x.ndim) or any(v is not None for v in kwargs.values()):
@@ -69,8 +72,8 @@ def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None
         # Shared blocks are computed in the forward pass, so they need the key there; a stochastic
         # layer without one keeps its own (which raises if it is differentiated).
         x2 = x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1)
-        if shared is not None and len(dims[0][0]) == 1 and pruning.saves_memory(x2) and (key is not None or not pruning.needs_key):
-            blocks = shared.blocks(x, pruning, key)
+        if shared is not None and source is not None and len(dims[0][0]) == 1 and pruning.saves_memory(x2) and (key is not None or not pruning.needs_key):
+            blocks = shared.blocks(source, x, pruning, key)
         return pruned_dot_general(x, w, dims, pruning=pruning, key=key, blocks=blocks, precision=precision)
 
     return dot_general
@@ -90,7 +93,8 @@ def _route_linen(shared: _SharedBlocks):
             return next_fun(*args, **kwargs)
         key = module.make_rng("pruning") if compression.needs_key and module.has_rng("pruning") else None
         # The module keeps computing its own parameters; only the product it calls is replaced.
-        object.__setattr__(module, "dot_general", _compressing_dot_general(compression, key, shared, path))
+        dot_general = _compressing_dot_general(compression, key, shared, path, source=args[0] if args else None)
+        object.__setattr__(module, "dot_general", dot_general)
         try:
             return next_fun(*args, **kwargs)
         finally:

@@ -114,7 +114,7 @@ def pruned_dot_general(
         raise ValueError(f"pruned_dot_general supports x's trailing axes against w's leading axes only, got {dims}")
     config = _Config(pruning, backends.resolve_backend(backend), precision, dims, tuple(x.shape))
     if blocks is not None:
-        return _dot_with_blocks(x, w, jax.lax.stop_gradient(blocks), config)
+        return _dot_with_blocks(x, w, blocks, config)
     if not pruning.saves_memory(x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1)):
         return _dot(x, w, config)
     return _pruned_dot(x, w, key, config)

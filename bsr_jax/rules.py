@@ -71,7 +71,9 @@ def use_rules(rules: Sequence[Rule]) -> Iterator[None]:
     for rule in rules:
         if not isinstance(rule, Rule):
             raise ValueError(f"rules must be bsr_jax.Rule objects, got {rule!r}")
-    active = _Active(rules, set())
+    outer = _ACTIVE.get()
+    # An inner context (a compressed model's apply inside pruning_plan) records into the outer plan.
+    active = _Active(rules, set(), outer.plan if outer else None)
     token = _ACTIVE.set(active)
     try:
         yield

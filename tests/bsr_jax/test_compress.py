@@ -1,0 +1,179 @@
+"""compress_model and rules on models written the way their authors write them
+(tests/third_party_models.py), against plain autodiff of the unmodified model and a float64
+numpy reference of the masked weight gradient (tests/reference.py)."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+import third_party_models as tpm
+from flax import nnx
+
+import bsr_jax
+from bsr_jax import Pruning, Rule, compress_model
+
+PRUNE = [Rule("*", Pruning(0.7, block=16))]
+MODELS = {
+    "mixer": (tpm.mixer, tpm.images, lambda c, out: tpm.classifier_loss(out, tpm.labels(c))),
+    "vit": (tpm.vit, tpm.images, lambda c, out: tpm.classifier_loss(out, tpm.labels(c))),
+    "lm": (tpm.lm, tpm.tokens, lambda c, out: tpm.lm_loss(out, tpm.tokens(c))),
+}
+
+
+def _activation_bytes(model, params, x, loss):
+    r = bsr_jax.residual_bytes(lambda p, x: loss(model.apply(p, x)), params, x)
+    return r.activations + r.inputs  # parameters are counted apart, so they cancel
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forward_bitwise_parameters_unchanged_and_only_kernel_grads_approximate(name):
+    make, inputs, loss = MODELS[name]
+    c = tpm.TINY
+    model, x = make(c), inputs(c)
+    params = tpm.jitter(model.init(jax.random.key(0), x))
+    compressed = compress_model(model, PRUNE)
+    chex.assert_trees_all_equal_structs(compressed.init(jax.random.key(0), x), params)
+    chex.assert_trees_all_equal(compressed.apply(params, x), model.apply(params, x))
+    argnums = (0, 1) if jnp.issubdtype(x.dtype, jnp.floating) else 0
+    grad = lambda m: jax.grad(lambda p, x: loss(c, m.apply(p, x)), argnums)(params, x)
+    got, want = grad(compressed), grad(model)
+    flat_got, flat_want = jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)
+    differing = 0
+    for (path, g), w in zip(flat_got, flat_want):
+        if "kernel" in jax.tree_util.keystr(path):
+            differing += not np.allclose(g, w, rtol=1e-4, atol=1e-6)
+        else:  # biases, norms, embeddings, inputs: everything upstream of dx, all exact
+            chex.assert_trees_all_close(g, w, rtol=2e-5, atol=2e-6)
+    assert differing > 0  # the pruned kernels' gradients do change
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sparsity_zero_rules_give_dense_gradients(name):
+    make, inputs, loss = MODELS[name]
+    c = tpm.TINY
+    model, x = make(c), inputs(c)
+    params = tpm.jitter(model.init(jax.random.key(0), x))
+    compressed = compress_model(model, [Rule("*", Pruning(0.0))])
+    grad = lambda m: jax.grad(lambda p: loss(c, m.apply(p, x)))(params)
+    chex.assert_trees_all_close(grad(compressed), grad(model), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name,limit,int8_limit", [("mixer", 0.30, 0.25), ("vit", 0.40, 0.30), ("lm", 0.50, 0.30)])
+def test_residual_bytes_of_the_issue_configuration(name, limit, int8_limit):
+    """Issue 13's configuration (4 layers, width 128, batch 8), traced only."""
+    make, inputs, loss = MODELS[name]
+    c = tpm.ISSUE
+    model, x = make(c), inputs(c)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    lossc = lambda out: loss(c, out)
+    dense = _activation_bytes(model, params, x, lossc)
+    assert _activation_bytes(compress_model(model, PRUNE), params, x, lossc) <= limit * dense
+    int8 = [Rule("*", Pruning(0.7, block=16, storage_dtype="int8"))]
+    assert _activation_bytes(compress_model(model, int8), params, x, lossc) <= int8_limit * dense
+    # Without lean neighbours the linear inputs alone are a small part of what is kept.
+    assert _activation_bytes(compress_model(model, PRUNE, lean=False), params, x, lossc) > 0.8 * dense
+
+
+def test_nnx_model():
+    c = tpm.ISSUE
+    model, x = tpm.nnx_mlp(c), tpm.features(c)
+    graph, state = nnx.split(model)
+
+    def activation_bytes(m):
+        g, st = nnx.split(m)
+        r = bsr_jax.residual_bytes(lambda st, x: jnp.sum(nnx.merge(g, st)(x) ** 2), st, x)
+        return r.activations + r.inputs
+
+    dense_bytes, y = activation_bytes(model), model(x)
+    dense_grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    compressed = compress_model(model, PRUNE)
+    chex.assert_trees_all_equal(compressed(x), y)
+    assert activation_bytes(compressed) <= 0.60 * dense_bytes
+    chex.assert_trees_all_equal_structs(nnx.split(compressed)[1], state)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(compressed)
+    chex.assert_trees_all_close(grads["norm"], dense_grads["norm"], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(grads["fc1"]["kernel"].value, dense_grads["fc1"]["kernel"].value, rtol=1e-4)
+
+
+class _ThreeHeads(nn.Module):
+    """q, k and v read one array, as attention projections do."""
+
+    @nn.compact
+    def __call__(self, x):
+        return sum(nn.Dense(32, name=n)(x) for n in ("query", "key", "value"))
+
+
+class _OneHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(32, name="query")(x)
+
+
+def test_layers_reading_one_array_keep_one_residual():
+    x = jax.random.normal(jax.random.key(0), (4, 64, 32))
+    three, one = compress_model(_ThreeHeads(), PRUNE, lean=False), compress_model(_OneHead(), PRUNE, lean=False)
+    loss = lambda y: jnp.sum(y)  # keeps nothing of its own
+    p3, p1 = three.init(jax.random.key(1), x), one.init(jax.random.key(1), x)
+    assert _activation_bytes(three, p3, x, loss) == _activation_bytes(one, p1, x, loss) < x.nbytes / 2
+    dense = jax.grad(lambda p: loss(_ThreeHeads().apply(p, x)))(p3)
+    got = jax.grad(lambda p: loss(three.apply(p, x)))(p3)
+    kept = reference.kept_input(np.asarray(x, np.float64).reshape(-1, 32), 0.7, 16)
+    for name in ("query", "key", "value"):  # dy is all ones: dW = kept.T @ ones
+        want = kept.T @ np.ones((kept.shape[0], 32))
+        chex.assert_trees_all_close(got["params"][name]["kernel"], want.astype(np.float32), rtol=1e-5, atol=1e-4)
+        chex.assert_trees_all_close(got["params"][name]["bias"], dense["params"][name]["bias"])
+
+
+@pytest.mark.parametrize("features,axis", [((4, 8), -1), (6, (-2, -1)), ((2, 3), (-2, -1))])
+def test_dense_general_shapes_against_masked_reference(features, axis):
+    x = jax.random.normal(jax.random.key(2), (3, 10, 4, 8))
+    layer = nn.DenseGeneral(features, axis=axis)
+    params = tpm.jitter(layer.init(jax.random.key(3), x))
+    compressed = compress_model(layer, [Rule("*", Pruning(0.5, block=8))], lean=False)
+    chex.assert_trees_all_equal(compressed.apply(params, x), layer.apply(params, x))
+    c = jax.random.normal(jax.random.key(4), layer.apply(params, x).shape)
+    loss = lambda m, p, x: jnp.vdot(m.apply(p, x), c)
+    (dp, dx), (dp_dense, dx_dense) = (jax.grad(lambda p, x: loss(m, p, x), (0, 1))(params, x) for m in (compressed, layer))
+    chex.assert_trees_all_close(dx, dx_dense, rtol=1e-5, atol=1e-5)
+    contracted = 1 if axis == -1 else 2
+    k = int(np.prod(x.shape[x.ndim - contracted :]))
+    kept = reference.kept_input(np.asarray(x, np.float64).reshape(-1, k), 0.5, 8)
+    want = (kept.T @ np.asarray(c, np.float64).reshape(kept.shape[0], -1)).reshape(dp["params"]["kernel"].shape)
+    chex.assert_trees_all_close(dp["params"]["kernel"], want.astype(np.float32), rtol=1e-4, atol=1e-4)
+
+
+class _Named(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = bsr_jax.Dense(64, sparsity=0.5, block=8, name="own")(x)  # a non-zero default of its own
+        x = nn.Dense(64, name="fc1")(x)
+        x = nn.Dense(64, name="fc2")(x)
+        return nn.Dense(10, name="head")(x)
+
+
+def test_rules_first_match_none_and_defaults():
+    x = jnp.ones((8, 16, 32))
+    model = _Named()
+    params = model.init(jax.random.key(0), x)
+    rules = [Rule("head", None), Rule("fc2", Pruning(0.9, block=8)), Rule("fc*", Pruning(0.25, block=8))]
+    compressed = compress_model(model, rules, lean=False)
+    plan = {layer.path: layer.compression.sparsity for layer in bsr_jax.pruning_plan(compressed.apply, params, x)}
+    assert plan == {"own": 0.5, "fc1": 0.25, "fc2": 0.9}  # head dense; own keeps its default
+    with pytest.raises(ValueError, match=r"\['blocks/\*'\] matched no layer"):
+        compress_model(model, [Rule("blocks/*", Pruning(0.5))]).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="bsr_jax.Rule"):
+        compress_model(model, [("fc1", 0.5)])
+    with pytest.raises(ValueError, match="compression must be"):
+        Rule("fc1", 0.5)
+
+
+def test_unsupported_products_stay_dense_and_exact():
+    x = jax.random.normal(jax.random.key(0), (4, 6, 8))
+    layer = nn.DenseGeneral(5, batch_dims=(0,), axis=-1)
+    params = layer.init(jax.random.key(1), x)
+    compressed = compress_model(layer, [Rule("*", Pruning(0.7, block=2))], lean=False)
+    grad = lambda m: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, x))))(params)
+    chex.assert_trees_all_equal(grad(compressed), grad(layer))
