@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 from block_cases import ONE_BLOCK, SEVERAL_WITH_EMPTY_COLUMN, dense_operand, kept_blocks, random_mask
 from numerics import assert_close_scaled
 
@@ -82,14 +83,15 @@ def test_multithreaded_result_is_deterministic():
 
 @pytest.mark.parametrize("storage_dtype", [None, "int8"])
 @pytest.mark.parametrize("block", [16, (4, 16)])
-def test_cpu_backend_matches_reference_backend(block, storage_dtype):
-    """Blocks of under CPU_KERNEL_MIN_ROWS rows take the xla path; quantized blocks are dequantized."""
-    x = dense_operand(96, 80, jnp.float32)
+def test_cpu_backend_matches_float64_reference(block, storage_dtype):
+    """Blocks of under CPU_KERNEL_MIN_ROWS rows take the xla path; quantized blocks are dequantized.
+    x has full float32 mantissas, so no value lies half-way between two int8 steps."""
+    x = jax.random.normal(jax.random.key(0), (96, 80))
     bsr = from_dense(x, 0.5, block, storage_dtype=storage_dtype)
     dy = dense_operand(96, 72, jnp.float32, seed=2)
-    chex.assert_trees_all_close(
-        jax.jit(backends.cpu_dw)(bsr, dy), backends.reference_dw(bsr, dy), atol=1e-4, rtol=1e-5
-    )
+    kept = reference.kept_input(np.asarray(x), 0.5, block, storage_dtype=storage_dtype)
+    expected = jnp.asarray(kept.T @ np.asarray(dy, np.float64), jnp.float32)
+    assert_close_scaled(jax.jit(backends.cpu_dw)(bsr, dy), expected, jnp.float32)
 
 
 def test_inside_shard_map_with_operands_varying_differently():
