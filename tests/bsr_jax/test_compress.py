@@ -28,17 +28,21 @@ def _activation_bytes(model, params, x, loss):
     return r.activations + r.inputs  # parameters are counted apart, so they cancel
 
 
+def _tiny(name):
+    """(model, input, loss(out), params) of a TINY third-party stand-in; params jittered."""
+    make, inputs, loss = MODELS[name]
+    model, x = make(tpm.TINY), inputs(tpm.TINY)
+    return model, x, lambda out: loss(tpm.TINY, out), tpm.jitter(model.init(jax.random.key(0), x))
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_forward_bitwise_parameters_unchanged_and_only_kernel_grads_approximate(name):
-    make, inputs, loss = MODELS[name]
-    c = tpm.TINY
-    model, x = make(c), inputs(c)
-    params = tpm.jitter(model.init(jax.random.key(0), x))
+    model, x, loss, params = _tiny(name)
     compressed = compress_model(model, PRUNE)
     chex.assert_trees_all_equal_structs(compressed.init(jax.random.key(0), x), params)
     chex.assert_trees_all_equal(compressed.apply(params, x), model.apply(params, x))
     argnums = (0, 1) if jnp.issubdtype(x.dtype, jnp.floating) else 0
-    grad = lambda m: jax.grad(lambda p, x: loss(c, m.apply(p, x)), argnums)(params, x)
+    grad = lambda m: jax.grad(lambda p, x: loss(m.apply(p, x)), argnums)(params, x)
     got, want = grad(compressed), grad(model)
     flat_got, flat_want = jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)
     differing = 0
@@ -52,12 +56,9 @@ def test_forward_bitwise_parameters_unchanged_and_only_kernel_grads_approximate(
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sparsity_zero_rules_give_dense_gradients(name):
-    make, inputs, loss = MODELS[name]
-    c = tpm.TINY
-    model, x = make(c), inputs(c)
-    params = tpm.jitter(model.init(jax.random.key(0), x))
+    model, x, loss, params = _tiny(name)
     compressed = compress_model(model, [Rule("*", Pruning(0.0))])
-    grad = lambda m: jax.grad(lambda p: loss(c, m.apply(p, x)))(params)
+    grad = lambda m: jax.grad(lambda p: loss(m.apply(p, x)))(params)
     chex.assert_trees_all_close(grad(compressed), grad(model), rtol=2e-5, atol=2e-6)
 
 
