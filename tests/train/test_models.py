@@ -54,8 +54,8 @@ def test_shapes_and_param_counts(preset, image, patch, classes):
 
 @pytest.mark.parametrize("preset, published", [("s12", 15.4e6), ("s24", 30.0e6)])
 def test_imagenet_presets_have_the_published_param_counts(preset, published):
-    # Touvron et al. 2021, Table 4 (224px ImageNet, patch 16): ResMLP-S12 15.4M, ResMLP-S24 30.0M
-    # parameters, rounded to 0.1M. Counting the model itself, this catches a layer the model lacks
+    # Touvron et al. 2021 report, for 224px ImageNet with patch 16, 15.4M parameters for ResMLP-S12
+    # and 30.0M for ResMLP-S24, rounded to 0.1M. Counting the model itself, this catches a layer the model lacks
     # or adds and, through expected_param_count, a formula that misreads the architecture.
     model = ResMLP(num_classes=1000, patch_size=16, **PRESETS[preset])
     variables = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32))
