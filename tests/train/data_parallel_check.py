@@ -7,7 +7,8 @@
 2. sparsity 0.7: the grads equal the mean over shards of single-device grads on each shard (each
    device prunes its own shard) and differ from pruning the whole batch at once;
 3. the compiled step never gathers the batch (no all-gather in its HLO);
-4. train_and_evaluate runs on the 4-device mesh (per-device batch 4) and evaluates.
+4. train_and_evaluate runs on the 4-device mesh (per-device batch 4) and its sharded, padded
+   evaluation reports the test loss and accuracy of its saved params.
 """
 
 import sys
@@ -16,6 +17,7 @@ import tempfile
 import chex
 import jax
 import numpy as np
+from checkpoint_scores import checkpoint_scores
 
 from train import data, loop, sharding
 from train.config import TrainConfig
@@ -81,13 +83,24 @@ def main() -> int:
 
     # 4. the whole loop, data sharded by prefetch.
     rng = np.random.default_rng(1)
-    split = data.ArrayDataset(rng.integers(0, 256, (32, 8, 8, 3), dtype=np.uint8), (np.arange(32) % 4).astype(np.int32), 4)
-    data.load_split = lambda dataset, name, **kw: split
+    splits = {
+        name: data.ArrayDataset(rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8), (np.arange(n) % 4).astype(np.int32), 4)
+        for name, n in (("train", 32), ("test", 29))  # 29 = 3 * 8 + 5: the last eval batch is padded
+    }
+    data.load_split = lambda dataset, name, **kw: splits[name]
     cfg = TrainConfig(dim=16, depth=1, image_size=8, patch_size=4, batch_size=16, eval_batch_size=8, epochs=1, sparsity=0.5, block=4)
     with tempfile.TemporaryDirectory() as workdir:
         result = loop.train_and_evaluate(cfg, workdir)
+        recomputed = checkpoint_scores(workdir, 2)
     assert result["step"] == 2 and result["memory"]["per_device_batch"] == 4, result
-    assert 0.0 <= result["eval"]["test_accuracy"] <= 1.0
+    # The sharded, padded evaluation scores the saved params over exactly the 29 test images.
+    assert recomputed["test_examples"] == 29
+    chex.assert_trees_all_close(
+        (result["eval"]["test_accuracy"], result["eval"]["test_loss"]),
+        (recomputed["test_accuracy"], recomputed["test_loss"]),
+        atol=1e-7,
+        rtol=1e-5,
+    )
     print("4 devices: all checks passed")
     return 0
 
