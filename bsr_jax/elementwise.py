@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from bsr_jax import sharding
 from bsr_jax.format import BlockSparse, Pruning, as_pruning, check_key
 from bsr_jax.linear import check_floating
 
@@ -70,12 +71,20 @@ def bsr_scale_shift(
     Returns:
       ``(..., K)``, bit-identical to ``x * scale + shift``. ``dx`` and ``dshift`` are exact;
       ``dscale = sum_rows(mask(x) * dy)`` (f32 accumulation, cast to scale's dtype), exact where
-      x itself is kept (see ``bsr_linear``).
+      x itself is kept (see ``bsr_linear``). Under a mesh each device prunes its own rows and
+      dscale is summed over the row shards (``bsr_jax.sharding``).
     """
     pruning = as_pruning(pruning, options)
     check_key(pruning, key)
     check_floating("x", x)
     if jnp.shape(scale) != (jnp.shape(x)[-1],) or jnp.result_type(scale) != jnp.result_type(x):
         raise ValueError(f"scale must be ({jnp.shape(x)[-1]},) of x's dtype, got {jnp.shape(scale)} {jnp.result_type(scale)}")
-    y = _pruned_scale(x, scale, key, pruning) if pruning.saves_memory(x) else x * scale
+
+    def local(x, params, key, _):
+        # Runs on each device's rows under a mesh (bsr_jax.sharding), so capacities follow the local shape.
+        (scale,) = params
+        return _pruned_scale(x, scale, key, pruning) if pruning.saves_memory(x) else x * scale
+
+    rows = tuple(f"row{i}" for i in range(jnp.ndim(x) - 1))
+    y = sharding.map_row_shards(local, x, [scale], x_labels=(*rows, "k"), param_labels=[("k",)], out_labels=(*rows, "k"), key=key)
     return y if shift is None else y + shift

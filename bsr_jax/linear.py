@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bsr_jax import backends
+from bsr_jax import backends, sharding
 from bsr_jax.format import BlockSparse, Pruning, as_pruning, check_key
 
 
@@ -112,12 +112,31 @@ def pruned_dot_general(
     product."""
     if not is_linear_dims(dims, x.ndim):
         raise ValueError(f"pruned_dot_general supports x's trailing axes against w's leading axes only, got {dims}")
-    config = _Config(pruning, backends.resolve_backend(backend), precision, dims, tuple(x.shape))
-    if blocks is not None:
-        return _dot_with_blocks(x, w, blocks, config)
-    if not pruning.saves_memory(x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1)):
-        return _dot(x, w, config)
-    return _pruned_dot(x, w, key, config)
+    backend = backends.resolve_backend(backend)
+    contracted = len(dims[0][0])
+
+    def local(x, params, key, blocks):
+        # Runs on each device's rows under a mesh (bsr_jax.sharding), so capacities follow the local shape.
+        (w,) = params
+        config = _Config(pruning, backend, precision, dims, tuple(x.shape))
+        x2 = x.reshape(*x.shape[: x.ndim - contracted], -1)
+        if blocks is not None:
+            if blocks.shape != (math.prod(x2.shape[:-1]), x2.shape[-1]):
+                raise ValueError(
+                    f"blocks hold a {blocks.shape} matrix but this device's x is {x2.shape}: under a mesh, "
+                    "compress per shard of the rows with bsr_jax.sharding.compress_rows"
+                )
+            return _dot_with_blocks(x, w, blocks, config)
+        if not pruning.saves_memory(x2):
+            return _dot(x, w, config)
+        return _pruned_dot(x, w, key, config)
+
+    rows = tuple(f"row{i}" for i in range(x.ndim - contracted))
+    ks = tuple(f"k{i}" for i in range(contracted))
+    outs = tuple(f"out{i}" for i in range(w.ndim - contracted))
+    return sharding.map_row_shards(
+        local, x, [w], x_labels=rows + ks, param_labels=[ks + outs], out_labels=rows + outs, key=key, row_stacked=blocks
+    )
 
 
 def bsr_linear(
@@ -145,6 +164,9 @@ def bsr_linear(
       backend: dW backend, ``"cpu"``, ``"xla"``, ``"pallas"`` or ``"reference"``; ``None`` picks
         ``$BSR_JAX_BACKEND`` or the platform default (see ``bsr_jax.backends``).
       precision: passed to ``lax.dot_general`` for y and dx.
+
+    Under ``jax.jit`` with x and w sharded over a mesh, each device prunes its own rows and dW is
+    summed over the row shards (``bsr_jax.sharding``, docs/sharding.md).
 
     Returns:
       ``(..., N)`` array, equal to the dense layer's output. Gradients: dx and db are exact; dW is

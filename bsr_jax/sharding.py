@@ -1,0 +1,194 @@
+"""Per-shard ops on sharded arrays: the one place where an op is mapped over the shards of its rows.
+
+Every op (``pruned_dot_general``/``bsr_linear``, ``bsr_scale_shift``, ``compressed_conv``) calls
+``map_row_shards``. Under ``jax.jit`` with arrays placed on a mesh, it wraps the op's local
+computation in ``jax.shard_map``, so that:
+
+* compression runs per shard of the rows: each device ranks the blocks of its own rows (capacity
+  and top-k from the local shape, the same memory per device as one device with the local batch);
+  the kept blocks never leave the device that owns the rows;
+* parameters enter as they are sharded along their output features (tensor parallel), and are
+  gathered only along axes that also split the rows or disagree with x's contracted axes (FSDP:
+  the usual parameter all-gather; the transpose reduce-scatters dW back to the parameter's sharding);
+* every operand is cast to vary over the union of the manual axes the operands vary over, so
+  autodiff's transpose of that cast sums dW over the row shards (and dx over the shards of the
+  output features): an all-reduce or reduce-scatter of dW only, never a gather of x, dy or blocks.
+
+Which mesh axes split the rows. Explicit axes (``jax.make_mesh``'s default): read from the types,
+``jax.typeof(x).sharding.spec``. Auto axes carry no placement while tracing, so the op assumes x's
+leading axis is split over the mesh's only axis, or over the axes named by ``batch_axes(...)``
+around the tracing (several Auto axes and no declaration is an error). A mesh mixing Auto and
+Explicit axes is not supported. Inside an existing ``shard_map`` (``train``'s loop) the manual
+axes are already local and the op runs unchanged. See docs/sharding.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+Labels = tuple[str, ...]
+_DECLARED_BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("batch_axes", default=None)
+
+
+@contextlib.contextmanager
+def batch_axes(*names: str) -> Iterator[None]:
+    """Declare the Auto mesh axes that split the batch (x's leading axis) while ops are traced.
+
+    Needed only for meshes with several Auto axes (Explicit axes carry their placement in the
+    types). It is read at tracing time, so put it around the first call of a jitted function."""
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"batch_axes takes one or more mesh axis names, got {names!r}")
+    token = _DECLARED_BATCH_AXES.set(tuple(names))
+    try:
+        yield
+    finally:
+        _DECLARED_BATCH_AXES.reset(token)
+
+
+def _mesh_of(arrays: Sequence[jax.Array]):
+    for a in arrays:
+        mesh = jax.typeof(a).sharding.mesh
+        if not mesh.empty:
+            return mesh
+    return jax.sharding.get_abstract_mesh()
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _auto_row_axes(mesh) -> tuple[str, ...]:
+    declared = _DECLARED_BATCH_AXES.get()
+    if declared is not None:
+        unknown = [n for n in declared if n not in mesh.axis_names]
+        if unknown:
+            raise ValueError(f"batch_axes {unknown} are not axes of the mesh {dict(mesh.shape)}")
+        return declared
+    if len(mesh.axis_names) == 1:
+        return tuple(mesh.axis_names)
+    raise ValueError(
+        f"bsr_jax cannot see how x is placed on the Auto mesh axes {dict(mesh.shape)} while tracing: trace "
+        "the step inside `with bsr_jax.sharding.batch_axes('data'):` (the axes splitting the batch), or use "
+        "Explicit axes (jax.make_mesh's default), whose placement the types carry"
+    )
+
+
+def _manual_candidates(mesh) -> tuple[str, ...]:
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    free = [n for n in mesh.axis_names if types[n] != AxisType.Manual and mesh.shape[n] > 1]
+    kinds = {types[n] for n in free}
+    if len(kinds) > 1:
+        raise ValueError(f"bsr_jax ops support meshes whose non-manual axes are all Auto or all Explicit, got {mesh}")
+    return tuple(free)
+
+
+def _vary(a: jax.Array, axes: set[str]) -> jax.Array:
+    missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def map_row_shards(
+    fn: Callable[..., Any],
+    x: jax.Array,
+    params: Sequence[jax.Array],
+    *,
+    x_labels: Labels,
+    param_labels: Sequence[Labels],
+    out_labels: Labels,
+    key: jax.Array | None = None,
+    row_stacked: Any = None,
+    whole: frozenset[str] = frozenset(),
+) -> Any:
+    """``fn(x, params, key, row_stacked)`` on each device's shard of x's rows; the global result.
+
+    Labels name the axes, einsum style: a label of x that no parameter has is a row axis; a label
+    of the inputs missing from ``out_labels`` is contracted, and the op's local outputs are summed
+    over the mesh axes splitting it (``psum``); labels in ``whole`` may not be split (e.g. a
+    convolution's spatial axes: ``ValueError`` if x is split along them).
+
+    Args:
+      fn: ``(x_local, params_local, key_local, row_stacked_local) -> y_local``, the op on local
+        arrays (it may be a ``custom_vjp``; the casts and sums around it carry the communication).
+      x: the activation, any rank; its sharding decides the row and contracted axes.
+      params: parameters (kernel, scale), re-placed as the labels require.
+      key: an optional PRNG key, replicated; each row shard folds in its index.
+      row_stacked: an optional pytree made by a per-shard computation of the same rows (every
+        leaf's axis 0 stacks the shards: ``compress_rows``' output).
+
+    Without a multi-device mesh, or with every axis already manual, this is ``fn(x, params, key,
+    row_stacked)``.
+    """
+    mesh = _mesh_of([x, *params])
+    candidates = () if mesh.empty else _manual_candidates(mesh)
+    if not candidates:
+        return fn(x, list(params), key, row_stacked)
+    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[candidates[0]] == AxisType.Explicit
+    labelled = [(x, x_labels), *zip(params, param_labels)]
+    assigned: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    if explicit:
+        x_spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+        for label, entry in zip(x_labels, x_spec):
+            axes = tuple(a for a in _spec_axes(entry) if a in candidates)
+            if axes and label in whole:
+                raise ValueError(f"x's axis {x_labels.index(label)} ({label}) cannot be split for this op, got {entry!r}")
+            assigned[label] = axes
+            used.update(axes)
+        for p, labels in zip(params, param_labels):
+            p_spec = tuple(jax.typeof(p).sharding.spec) + (None,) * p.ndim
+            for label, entry in zip(labels, p_spec):
+                if label not in assigned:
+                    axes = tuple(a for a in _spec_axes(entry) if a in candidates and a not in used and label not in whole)
+                    assigned[label] = axes
+                    used.update(axes)
+    else:
+        row_axes = _auto_row_axes(mesh)
+        assigned = {label: () for _, labels in labelled for label in labels}
+        assigned[x_labels[0]] = row_axes
+    spec = lambda labels: PartitionSpec(*(_entry(assigned.get(label, ())) for label in labels))
+    in_labels = {label for _, labels in labelled for label in labels}
+    summed = tuple(a for label in sorted(in_labels - set(out_labels)) for a in assigned[label])
+    param_names = {label for labels in param_labels for label in labels}
+    row_axes = tuple(a for label in x_labels if label not in param_names for a in assigned[label])
+    manual = frozenset(a for axes in assigned.values() for a in axes) if not explicit else frozenset(candidates)
+    if explicit:
+        # Explicit types must match the specs on entry; a reshard of a parameter (never of x, whose
+        # own placement defines the specs) is the FSDP / disagreeing-axes gather.
+        params = [jax.sharding.reshard(p, NamedSharding(mesh, spec(labels))) for p, labels in zip(params, param_labels)]
+    union = {a for _, labels in labelled for label in labels for a in assigned[label]}
+
+    def local(x, params, key, row_stacked):
+        x, params = _vary(x, union), [_vary(p, union) for p in params]
+        if key is not None and row_axes:
+            key = jax.random.fold_in(key, lax.axis_index(row_axes))
+        y = fn(x, params, key, row_stacked)
+        return lax.psum(y, summed) if summed else y
+
+    stacked_spec = PartitionSpec(_entry(row_axes))
+    in_specs = (spec(x_labels), [spec(labels) for labels in param_labels], PartitionSpec(), stacked_spec)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec(out_labels), axis_names=manual)
+    return mapped(x, list(params), key, row_stacked)
+
+
+def compress_rows(compress: Callable[[jax.Array, jax.Array | None], Any], x: jax.Array, key: jax.Array | None = None) -> Any:
+    """``compress(x_local, key_local)`` per shard of x's rows (``x`` of shape ``(M, K)``), the
+    leaves stacked along axis 0 over the shards: what ``map_row_shards(..., row_stacked=)`` takes.
+    For callers that compress once and share the blocks between ops (``compress_model``)."""
+    if x.ndim != 2:
+        raise ValueError(f"compress_rows takes x of shape (M, K), got {x.shape}")
+    return map_row_shards(
+        lambda xl, _, k, __: compress(xl, k), x, [], x_labels=("rows", "k"), param_labels=[], out_labels=("rows",),
+        key=key, whole=frozenset({"k"}),
+    )
+
