@@ -5,13 +5,19 @@ arguments and parameter tree) whose ``apply`` runs with the rules active. Each `
 ``nn.DenseGeneral`` (and subclasses, e.g. ones overriding ``param``) whose path a rule matches gets
 its product from ``pruned_dot_general``: the module still creates, transforms and promotes its own
 parameters, and only the ``dot_general`` it calls is replaced, so the forward is bit-identical.
-bsr_jax layers inside the model follow the same rules. Layers that read the same array with the
-same compression (q, k and v from one LayerNorm output) compress it once and keep one residual.
-With ``lean=True`` (the default) the neighbours of the linear layers keep less too
-(``bsr_jax.lean``: norms, activations, attention; all exact).
+Each ``nn.Conv`` (and subclasses, e.g. weight-standardised convs overriding ``param``) a rule
+matches with ``Pooling`` or ``Pruning`` gets its ``lax.conv_general_dilated`` call replaced the same
+way, by ``bsr_jax.compressed_conv`` on the kernel the module produced: forward bit-identical, dx and
+db exact, dW from the compressed input. bsr_jax layers inside the model (``Dense``, ``Conv``, ...)
+follow the same rules. Layers that read the same array with the same compression (q, k and v from
+one LayerNorm output) compress it once and keep one residual (linear layers; convolutions keep one
+each). With ``lean=True`` (the default) the neighbours keep less too (``bsr_jax.lean``: norms,
+activations, attention; all exact).
 
-Not routed, left dense and listed by ``CompressedModel.unsupported_layers``: modules with their own
-``dot_general``/``dot_general_cls``, DenseGeneral with batch dims, non-float inputs.
+Left dense and reported (``UserWarning`` naming the path and the reason, ``rules.report_dense``):
+modules with their own ``dot_general``/``dot_general_cls`` or ``conv_general_dilated(_cls)``,
+DenseGeneral with batch dims, non-float inputs, products that are not a plain linear map,
+``nn.ConvLocal``/``nn.ConvTranspose``, and ``Pooling`` rules on layers that are not convolutions.
 
 NNX: the matching ``nnx.Linear`` / ``nnx.LinearGeneral`` modules of the (in place) returned model
 get a compressing ``dot_general`` and, with ``lean``, the root's ``__call__`` runs inside
@@ -28,16 +34,21 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from bsr_jax import lean as lean_ops
 from bsr_jax import rules as rules_lib
+from bsr_jax.conv import Conv, channels_last_dimension_numbers, compressed_conv
 from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.layers import PrunedModule
 from bsr_jax.linear import is_linear_dims, pruned_dot_general
 from bsr_jax.rules import NO_MATCH, Rule
 
 ROUTED_LINEN = (nn.Dense, nn.DenseGeneral)
+ROUTED_LINEN_CONV = nn.Conv  # and subclasses; bsr_jax.Conv resolves its rule itself
+REPORTED_LINEN_CONV = (nn.ConvLocal, nn.ConvTranspose)  # a matching compression is reported, not applied
 ROUTED_NNX = (nnx.Linear, nnx.LinearGeneral)
 
 
@@ -47,7 +58,6 @@ class _SharedBlocks:
     layers read them. Holds the arrays themselves so their ids stay unique while cached."""
 
     cache: dict[tuple[int, str, Pruning], tuple[Any, BlockSparse]] = dataclasses.field(default_factory=dict)
-    unsupported: list[str] = dataclasses.field(default_factory=list)
 
     def blocks(self, source: Any, x: jax.Array, pruning: Pruning, key: jax.Array | None) -> BlockSparse:
         """Blocks of ``x``, the product's operand made from the module input ``source`` (the same
@@ -64,8 +74,7 @@ def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None
     def dot_general(x, w, dims, precision=None, **kwargs):
         # preferred_element_type / out_sharding change the product itself: left to lax (dense).
         if not is_linear_dims(dims, x.ndim) or any(v is not None for v in kwargs.values()):
-            if shared is not None:
-                shared.unsupported.append(f"{path}: dot_general {dims} {kwargs} is not a plain linear map")
+            rules_lib.report_dense(path, f"dot_general {dims} {kwargs} is not a plain linear map")
             return jax.lax.dot_general(x, w, dims, precision=precision, **kwargs)
         rules_lib.record(path, pruning, x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1))
         blocks = None
@@ -79,26 +88,65 @@ def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None
     return dot_general
 
 
+def _compressing_conv(compression: rules_lib.Compression, key: jax.Array | None, path: str):
+    """A ``lax.conv_general_dilated`` stand-in for one ``nn.Conv`` call: ``compressed_conv``
+    where the call is a plain channels-last convolution of floats, else the call itself (reported)."""
+
+    def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                             dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
+                             preferred_element_type=None):  # fmt: skip
+        call = dict(lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+                    feature_group_count=feature_group_count, batch_group_count=batch_group_count, precision=precision,
+                    preferred_element_type=preferred_element_type)  # fmt: skip
+        dims = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+        floats = all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)) and lhs.dtype == rhs.dtype
+        if dims != channels_last_dimension_numbers(lhs.ndim) or batch_group_count != 1 or preferred_element_type is not None or not floats:
+            rules_lib.report_dense(path, f"conv_general_dilated on {lhs.dtype}/{rhs.dtype} with {call} is not a plain "
+                                   "channels-last convolution of one float dtype")  # fmt: skip
+            return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **call)
+        rules_lib.record(path, compression, lhs)
+        return compressed_conv(lhs, rhs, compression=compression, strides=window_strides, padding=padding,
+                               lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, feature_group_count=feature_group_count,
+                               precision=precision, key=key)  # fmt: skip
+
+    return conv_general_dilated
+
+
+def _replaced(module: nn.Module, attribute: str, value: Any, call):
+    """``call()`` with the module's ``attribute`` (its product hook) set to ``value``: the module
+    keeps computing its own parameters; only the product it calls is replaced."""
+    object.__setattr__(module, attribute, value)
+    try:
+        return call()
+    finally:
+        object.__setattr__(module, attribute, None)
+
+
 def _route_linen(shared: _SharedBlocks):
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
-        if context.method_name != "__call__" or not isinstance(module, ROUTED_LINEN) or isinstance(module, PrunedModule):
+        routed = isinstance(module, (*ROUTED_LINEN, ROUTED_LINEN_CONV, *REPORTED_LINEN_CONV))
+        if context.method_name != "__call__" or not routed or isinstance(module, (PrunedModule, Conv)):
             return next_fun(*args, **kwargs)
         compression = rules_lib.lookup(module)
         if compression is NO_MATCH or compression is None or module.is_initializing():
             return next_fun(*args, **kwargs)
         path = rules_lib.module_path(module)
-        if module.dot_general is not None or module.dot_general_cls is not None or getattr(module, "batch_dims", ()):
-            shared.unsupported.append(f"{path}: own dot_general or batch dims; left dense")
-            return next_fun(*args, **kwargs)
+        call = lambda: next_fun(*args, **kwargs)
         key = module.make_rng("pruning") if compression.needs_key and module.has_rng("pruning") else None
-        # The module keeps computing its own parameters; only the product it calls is replaced.
+        if isinstance(module, REPORTED_LINEN_CONV):
+            rules_lib.report_dense(path, f"{type(module).__name__} is not supported (nn.Conv and subclasses are)")
+            return call()
+        if isinstance(module, ROUTED_LINEN_CONV):
+            if module.conv_general_dilated is not None or module.conv_general_dilated_cls is not None:
+                rules_lib.report_dense(path, "the module has its own conv_general_dilated")
+                return call()
+            return _replaced(module, "conv_general_dilated", _compressing_conv(compression, key, path), call)
+        if module.dot_general is not None or module.dot_general_cls is not None or getattr(module, "batch_dims", ()):
+            rules_lib.report_dense(path, "the module has its own dot_general or batch dims")
+            return call()
         dot_general = _compressing_dot_general(compression, key, shared, path, source=args[0] if args else None)
-        object.__setattr__(module, "dot_general", dot_general)
-        try:
-            return next_fun(*args, **kwargs)
-        finally:
-            object.__setattr__(module, "dot_general", None)
+        return _replaced(module, "dot_general", dot_general, call)
 
     return interceptor
 

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from flax.linen.linear import canonicalize_padding
 from jax import lax
 
+from bsr_jax import rules
 from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.pooling import PooledMap, Pooling
-
-Compression = Pruning | Pooling
+from bsr_jax.rules import Compression
 LAX_PADDINGS = ("SAME", "SAME_LOWER", "VALID")
 
 
@@ -46,7 +46,7 @@ class _ConvConfig:
     precision: lax.PrecisionLike
 
 
-def _dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
+def channels_last_dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
     # Channels-last input and output, (*window, in, out) kernel: flax.linen.Conv's layout.
     lhs = (0, ndim - 1, *range(1, ndim - 1))
     rhs = (ndim - 1, ndim - 2, *range(ndim - 2))
@@ -61,7 +61,7 @@ def _conv(x: jax.Array, w: jax.Array, config: _ConvConfig) -> jax.Array:
         config.padding,
         lhs_dilation=config.lhs_dilation,
         rhs_dilation=config.rhs_dilation,
-        dimension_numbers=_dimension_numbers(x.ndim),
+        dimension_numbers=channels_last_dimension_numbers(x.ndim),
         feature_group_count=config.feature_group_count,
         precision=config.precision,
     )
@@ -200,7 +200,9 @@ class Conv(nn.Conv):
     Attributes:
       compression: ``bsr_jax.Pooling(factor, storage_dtype)``, ``bsr_jax.Pruning(...)`` or ``None``
         (exactly ``nn.Conv``). A stochastic ``Pruning`` draws keys from the ``"pruning"`` rng
-        stream: ``apply(..., rngs={"pruning": key})`` when differentiating.
+        stream: ``apply(..., rngs={"pruning": key})`` when differentiating. Inside
+        ``bsr_jax.compress_model`` (or ``bsr_jax.use_rules``) a rule matching the layer's path
+        decides instead (``None``: dense).
     """
 
     compression: Compression | None = None
@@ -231,12 +233,16 @@ class Conv(nn.Conv):
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
 
-        needs_key = self.compression is not None and self.compression.needs_key
+        ruled = rules.lookup(self)
+        compression = self.compression if ruled is rules.NO_MATCH else ruled
+        if compression is not None:
+            rules.record(rules.module_path(self), compression, inputs)
+        needs_key = compression is not None and compression.needs_key
         y = compressed_conv(
             inputs,
             kernel,
             bias,
-            compression=self.compression,
+            compression=compression,
             strides=self.strides,
             padding=padding,
             lhs_dilation=self.input_dilation,

@@ -11,6 +11,7 @@ the rest (no matmul of a linear layer is recomputed):
   ``nnx.remat``): they keep their input and parameters; the statistics are recomputed.
 * ``gelu`` and ``silu``/``swish`` run under ``jax.checkpoint``: they keep their input.
 * ``relu`` keeps a 1-bit mask of ``x > 0`` (packed into uint8, 1/32 of an f32 input).
+* these activations also where a linen module holds them as attributes (``act=nn.relu``).
 * ``flax.linen.dot_product_attention`` (called directly, or as the default ``attention_fn`` of
   ``nn.MultiHeadDotProductAttention`` and its subclasses) runs under ``jax.checkpoint``: it keeps
   q, k, v, the mask/bias and the dropout key, and recomputes the attention probabilities in the
@@ -37,6 +38,7 @@ JVP, so forward-mode differentiation works too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -177,10 +179,32 @@ def _inside_lean_norm() -> Iterator[None]:
         _local.inside = previous
 
 
+@contextlib.contextmanager
+def _lean_activation_fields(module: nn.Module) -> Iterator[None]:
+    """Activations held as module attributes (``act: Callable = nn.relu``, as flax's ResNet
+    examples do) were bound when the dataclass was defined, so replacing ``nn.relu`` does not reach
+    them: they are swapped for their lean versions for this call (children built from them, e.g.
+    ``Block(act=self.act)``, get the lean ones)."""
+    lean_of = {id(original): lean for original, lean in _LEAN_ACTIVATIONS}
+    originals = {f.name: vars(module).get(f.name) for f in dataclasses.fields(module)}
+    originals = {name: value for name, value in originals.items() if id(value) in lean_of}
+    for name, value in originals.items():
+        object.__setattr__(module, name, lean_of[id(value)])
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            object.__setattr__(module, name, value)
+
+
 def _linen_interceptor(next_fun, args, kwargs, context):
-    module = context.module
     if context.method_name != "__call__" or getattr(_local, "inside", False):
         return next_fun(*args, **kwargs)
+    with _lean_activation_fields(context.module):
+        return _lean_module_call(next_fun, args, kwargs, context.module)
+
+
+def _lean_module_call(next_fun, args, kwargs, module: nn.Module):
     if isinstance(module, nn.MultiHeadDotProductAttention) and module.attention_fn is _dot_product_attention:
         # The default attention_fn was bound when the dataclass was defined, so replacing the
         # module attribute ``nn.dot_product_attention`` does not reach it: swap it for this call.

@@ -9,6 +9,11 @@ with ``fnmatch`` globs; the first matching rule wins; a rule whose compression i
 the layer dense; a layer no rule matches keeps its own options (``bsr_jax.Dense(...,
 sparsity=0.7)``) or, routed by ``compress_model``, stays dense. A rule that matches no layer of a
 traced call is an error naming it, so a typo never silently leaves a model dense.
+
+Compressions: ``Pruning`` (any linear layer or convolution) and ``Pooling`` (convolutions only).
+A layer a rule matches but cannot honour (a ``Pooling`` rule on a Dense layer, a conv
+configuration the compressed convolution does not cover) stays dense and is reported with a
+``UserWarning`` naming its path and why (``report_dense``), never silently.
 """
 
 from __future__ import annotations
@@ -17,14 +22,17 @@ import contextlib
 import contextvars
 import dataclasses
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 
 from bsr_jax.format import PRUNING_OPTIONS, Pruning
+from bsr_jax.pooling import Pooling
 
-Compression = Pruning  # siblings (e.g. pooling for convolutions) join this union
+Compression = Pruning | Pooling
 SHORTHAND_FIELDS = PRUNING_OPTIONS
 NO_MATCH = object()  # lookup's answer when no rule is active or none matches
 
@@ -41,7 +49,7 @@ class Rule:
         if not isinstance(self.pattern, str) or not self.pattern:
             raise ValueError(f"Rule pattern must be a non-empty string glob, got {self.pattern!r}")
         if self.compression is not None and not isinstance(self.compression, Compression):
-            raise ValueError(f"Rule compression must be a bsr_jax.Pruning or None, got {self.compression!r}")
+            raise ValueError(f"Rule compression must be a bsr_jax.Pruning, a bsr_jax.Pooling or None, got {self.compression!r}")
 
 
 def first_match(patterns: Sequence[str], path: str) -> int | None:
@@ -84,8 +92,17 @@ def use_rules(rules: Sequence[Rule]) -> Iterator[None]:
         raise ValueError(f"rule pattern(s) {unmatched} matched no layer; check the module paths (bsr_jax.pruning_plan lists them)")
 
 
+def report_dense(path: str, reason: str) -> None:
+    """Report that the layer at ``path`` stays dense although a rule asked for a compression."""
+    warnings.warn(f"bsr_jax: {path or 'the root module'} stays dense: {reason}", UserWarning, stacklevel=3)
+
+
 def lookup(module: Any) -> Any:
-    """The active rules' compression for ``module`` (a bound Flax module), or ``NO_MATCH``."""
+    """The active rules' compression for ``module`` (a bound Flax module), or ``NO_MATCH``.
+
+    A ``Pooling`` rule resolves to ``None`` (dense, reported) for modules that are not
+    ``nn.Conv``s: pooling is defined for convolution inputs only.
+    """
     active = _ACTIVE.get()
     if active is None:
         return NO_MATCH
@@ -93,7 +110,12 @@ def lookup(module: Any) -> Any:
     if i is None:
         return NO_MATCH
     active.matched.add(i)
-    return active.rules[i].compression
+    compression = active.rules[i].compression
+    if isinstance(compression, Pooling) and not isinstance(module, nn.Conv):
+        if not module.is_initializing():
+            report_dense(module_path(module), f"{type(module).__name__} is not a convolution, and Pooling compresses convolution inputs only")
+        return None
+    return compression
 
 
 @dataclasses.dataclass(frozen=True)
