@@ -53,10 +53,11 @@ class Residual:
     shape: tuple[int, ...]
     dtype: str
     kind: str  # "params", "inputs" or "activations"
+    itemsize: int  # from the array's dtype itself: typed PRNG keys (key<fry>) have no numpy dtype
 
     @property
     def nbytes(self) -> int:
-        return int(jax.numpy.dtype(self.dtype).itemsize * _size(self.shape))
+        return int(self.itemsize * _size(self.shape))
 
 
 def _size(shape: tuple[int, ...]) -> int:
@@ -102,7 +103,8 @@ def residual_bytes(fn: Callable[..., Any], params: Any, *args: Any) -> ResidualB
             if id(leaf) in seen or not hasattr(leaf, "shape"):
                 continue
             seen.add(id(leaf))
-            found.append(Residual(tuple(leaf.shape), str(leaf.dtype), kinds.get(id(leaf), "activations")))
+            kind = kinds.get(id(leaf), "activations")
+            found.append(Residual(tuple(leaf.shape), str(leaf.dtype), kind, leaf.dtype.itemsize))
 
     jax.eval_shape(traced, params, *args)
     totals = {k: sum(r.nbytes for r in found if r.kind == k) for k in ("params", "inputs", "activations")}

@@ -114,3 +114,13 @@ def test_remat_policy_keeps_blocks_and_dots_and_recomputes_elementwise():
     grads = jax.grad(lambda ws: jnp.sum(block(ws, x)))(ws)
     remat_grads = jax.grad(lambda ws: jnp.sum(jax.checkpoint(block, policy=bsr_jax.remat_policy())(ws, x)))(ws)
     chex.assert_trees_all_close(remat_grads, grads, rtol=1e-6)
+
+
+def test_residual_bytes_counts_typed_prng_keys():
+    # A residual holding a typed key (e.g. a dropout key kept for the backward pass) is counted by
+    # its own itemsize (8 bytes for threefry), not looked up as a numpy dtype.
+    key = jax.random.key(0)
+    f = lambda w, key: jnp.sum(w * jax.lax.stop_gradient(jax.random.uniform(key, w.shape)))  # noqa: E731
+    keep_key = jax.checkpoint(f)  # recomputes the draw in the backward pass: the key is kept
+    res = bsr_jax.residual_bytes(keep_key, jnp.ones(4), key)
+    assert any(r.dtype.startswith("key<") and r.nbytes == 8 for r in res.residuals)

@@ -145,3 +145,4 @@ def test_dense_forward_is_bitwise_nn_dense_with_storage():
     want = nn.Dense(24).apply(params, x)
     got, vjp = jax.vjp(lambda x: bsr_jax.Dense(24, sparsity=0.0, storage_dtype="int4").apply(params, x), x)
     chex.assert_trees_all_equal(got, want)
+
