@@ -14,6 +14,7 @@ from flax import nnx
 
 import bsr_jax
 from bsr_jax import Pruning, Rule, compress_model
+from train.resnet import ResNet18
 
 PRUNE = [Rule("*", Pruning(0.7, block=16))]
 MODELS = {
@@ -178,3 +179,132 @@ def test_unsupported_products_stay_dense_and_exact():
     compressed = compress_model(layer, [Rule("*", Pruning(0.7, block=2))], lean=False)
     grad = lambda m: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, x))))(params)
     chex.assert_trees_all_equal(grad(compressed), grad(layer))
+
+
+# ---- convolutions: nn.Conv and subclasses routed to the compressed conv ----
+
+
+class _WeightStandardisedConv(nn.Conv):
+    """A conv overriding ``param`` (as big_transfer's StdConv does): routing must use its kernel."""
+
+    def param(self, name, *args, **kwargs):
+        p = super().param(name, *args, **kwargs)
+        if name == "kernel":
+            mean, var = jnp.mean(p, axis=(0, 1, 2)), jnp.var(p, axis=(0, 1, 2))
+            p = (p - mean) / jnp.sqrt(var + 1e-5)
+        return p
+
+
+def _upsampled_pool2(x):
+    """Nearest-neighbour upsampling of the 2 x 2 window means (even sides), by nn.avg_pool."""
+    means = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    return jnp.repeat(jnp.repeat(means, 2, axis=1), 2, axis=2)
+
+
+CONV_CASES = [  # (conv class, strides, padding, kernel size, compression)
+    (nn.Conv, 1, "SAME", 3, bsr_jax.Pooling(2)),
+    (nn.Conv, 2, "VALID", 1, bsr_jax.Pooling(2)),
+    (_WeightStandardisedConv, 2, ((1, 0), (2, 1)), 3, bsr_jax.Pooling(2)),
+    (_WeightStandardisedConv, 1, "SAME", 3, Pruning(0.5, block=8)),
+]
+
+
+@pytest.mark.parametrize("conv_cls,strides,padding,kernel,compression", CONV_CASES)
+def test_convs_forward_bitwise_dx_exact_dw_at_the_compressed_input(conv_cls, strides, padding, kernel, compression):
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 16))
+    layer = conv_cls(8, (kernel, kernel), strides=strides, padding=padding)
+    params = tpm.jitter(layer.init(jax.random.key(1), x))
+    compressed = compress_model(layer, [Rule("*", compression)], lean=False)
+    chex.assert_trees_all_equal_structs(compressed.init(jax.random.key(1), x), params)
+    y = layer.apply(params, x)
+    chex.assert_trees_all_equal(compressed.apply(params, x), y)
+    c = jax.random.normal(jax.random.key(2), y.shape)
+    loss = lambda m, p, x: jnp.vdot(m.apply(p, x), c)  # linear: dy = c wherever the conv is evaluated
+    dp, dx = jax.grad(lambda p, x: loss(compressed, p, x), (0, 1))(params, x)
+    dp_dense, dx_dense = jax.grad(lambda p, x: loss(layer, p, x), (0, 1))(params, x)
+    chex.assert_trees_all_close(dx, dx_dense, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(dp["params"]["bias"], dp_dense["params"]["bias"], rtol=1e-6, atol=1e-6)
+    if isinstance(compression, bsr_jax.Pooling):
+        x_hat = _upsampled_pool2(x)
+    else:
+        x_hat = reference.kept_input(np.asarray(x, np.float64).reshape(-1, 16), 0.5, 8).reshape(x.shape)
+    # The exact gradient of the unmodified layer (standardisation included) at the compressed input.
+    want = jax.grad(lambda p: loss(layer, p, jnp.asarray(x_hat, jnp.float32)))(params)
+    chex.assert_trees_all_close(dp["params"]["kernel"], want["params"]["kernel"], rtol=1e-5, atol=1e-4)
+    assert not np.allclose(dp["params"]["kernel"], dp_dense["params"]["kernel"], rtol=1e-3)
+
+
+def _resnet18():
+    """flax examples' ResNet-18 shape (train/resnet.py with plain nn.Conv, nn.BatchNorm and
+    ``act=nn.relu`` held as a module attribute), small: 8 filters, 16 px, batch 4."""
+    model = ResNet18(num_classes=10, stem="cifar", num_filters=8)
+    x = jax.random.normal(jax.random.key(0), (4, 16, 16, 3))
+    return model, x, model.init(jax.random.key(1), x)
+
+
+def _train_loss(model, variables):
+    """Loss of a training step: BatchNorm on batch statistics, updating them."""
+
+    def loss(params, x):
+        y, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"])
+        return jnp.sum(jnp.sin(y))
+
+    return loss
+
+
+def test_resnet18_pool2_keeps_at_most_060_of_dense_with_exact_input_gradient():
+    model, x, variables = _resnet18()
+    with pytest.warns(UserWarning, match="Dense_0 stays dense: .*Pooling compresses convolution inputs only"):
+        compressed = compress_model(model, [Rule("*", bsr_jax.Pooling(2))])
+        activations = lambda m: _activation_bytes_of(_train_loss(m, variables), variables["params"], x)
+        ratio = activations(compressed) / activations(model)
+        dense_dx = jax.jit(jax.grad(_train_loss(model, variables), 1))(variables["params"], x)
+        dx = jax.jit(jax.grad(_train_loss(compressed, variables), 1))(variables["params"], x)
+    assert ratio <= 0.60, ratio
+    chex.assert_trees_all_close(dx, dense_dx, rtol=1e-5, atol=1e-6)
+    y, stats = model.apply(variables, x, mutable=["batch_stats"])
+    chex.assert_trees_all_equal(compressed.apply(variables, x, mutable=["batch_stats"]), (y, stats))
+    # Without lean neighbours the conv inputs alone are a small part of what is kept.
+    every_conv = [Rule("Dense_0", None), Rule("*", bsr_jax.Pooling(2))]
+    assert activations(compress_model(model, every_conv, lean=False)) > 0.75 * activations(model)
+
+
+def _activation_bytes_of(loss, params, x):
+    r = bsr_jax.residual_bytes(loss, params, x)
+    return r.activations + r.inputs
+
+
+class _BsrConvModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = bsr_jax.Conv(8, (3, 3), compression=bsr_jax.Pooling(4), name="own")(x)
+        x = nn.Conv(8, (3, 3), name="plain")(x)
+        return nn.Conv(8, (1, 1), name="last")(x)
+
+
+def test_pruning_plan_lists_convs_and_bsr_jax_conv_follows_rules():
+    x = jnp.ones((2, 8, 8, 4))
+    model = _BsrConvModel()
+    params = model.init(jax.random.key(0), x)
+    plan = lambda rules: {layer.path: layer.compression for layer in bsr_jax.pruning_plan(compress_model(model, rules).apply, params, x)}
+    assert plan([Rule("plain", bsr_jax.Pooling(2))]) == {"own": bsr_jax.Pooling(4), "plain": bsr_jax.Pooling(2)}
+    bsr = Pruning(0.5, block=8)
+    assert plan([Rule("own", None), Rule("*", bsr)]) == {"plain": bsr, "last": bsr}
+    assert plan([Rule("*", bsr_jax.Pooling(2))]) == dict.fromkeys(("own", "plain", "last"), bsr_jax.Pooling(2))
+    with pytest.raises(ValueError, match="compression must be a bsr_jax.Pruning, a bsr_jax.Pooling or None"):
+        Rule("*", 2)
+
+
+def test_unsupported_convs_stay_dense_exact_and_are_reported():
+    x = jax.random.normal(jax.random.key(0), (2, 6, 6, 4))
+    for layer, message in [
+        (nn.Conv(4, (3, 3), conv_general_dilated=jax.lax.conv_general_dilated), "its own conv_general_dilated"),
+        (nn.ConvTranspose(4, (3, 3)), "ConvTranspose is not supported"),
+        (nn.ConvLocal(4, (3, 3)), "ConvLocal is not supported"),
+    ]:
+        params = layer.init(jax.random.key(1), x)
+        compressed = compress_model(layer, [Rule("*", Pruning(0.7, block=2))], lean=False)
+        grad = lambda m: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, x))))(params)
+        with pytest.warns(UserWarning, match=message):
+            got = grad(compressed)
+        chex.assert_trees_all_equal(got, grad(layer))
