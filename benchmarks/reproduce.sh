@@ -24,3 +24,8 @@ for run in "dense 0.0" "s0.7-b16 0.7"; do
 done
 python benchmarks/cifar_grid.py --data-dir "$data" --epochs "$epochs" --seeds 0 1 --out docs/results
 python -m benchmarks.sensitivity --run runs/cifar_grid/dense-seed0 --data-dir "$data" --prune-scale-shift
+python -m benchmarks.models --reps 15
+# Accuracy at memory (RESULTS "Accuracy at memory"): 10-epoch runs, then the Pareto front.
+python benchmarks/cifar_grid.py --root runs/long --data-dir "$data" --epochs 10 --seeds 0 \
+  --configs dense all-s0-b16-int8 all-s0-b16-int4 stoch-s0.7-b16 s0.7-b16 all-s0.5-b16-int8-stoch --out runs/long/report
+python -m benchmarks.pareto runs/long docs/results

@@ -1,0 +1,119 @@
+"""Accuracy at memory: the long-run CIFAR-10 study as a Pareto front (issue 15).
+
+Reads the finished runs under ROOT (``benchmarks/cifar_grid.py --root ROOT --epochs 10``), and for
+each configuration reports the final test accuracy (mean over seeds), the accuracy at epoch 3 and
+the gap to dense at epochs 3 and at the end, the residual activation memory of the tiny model
+(each run's memory record) and of ResMLP-S12 at CIFAR shapes (B=128; the run's pruning flags on
+the s12 preset, traced with ``residual_bytes``; nothing runs), and whether the configuration is on
+the front (no other configuration keeps at most as much ResMLP-S12 memory at higher accuracy).
+Writes ``OUT/pareto.md``, ``OUT/pareto.json`` and ``OUT/pareto.png``.
+
+    python -m benchmarks.pareto runs/long docs/results
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import bsr_jax  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
+from train.loop import create_model, loss_function  # noqa: E402
+
+if __package__:
+    from benchmarks.grid_report import summarise
+else:  # run as a script
+    from grid_report import summarise
+
+MIB = 2**20
+
+
+def s12_activation_mib(run_config: dict, batch: int = 128) -> float:
+    """Activation residual MiB of ResMLP-S12 (CIFAR shapes) under a run's pruning flags."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: (tuple(map(tuple, v)) if k == "layer_sparsity" else v) for k, v in run_config.items() if k in fields}
+    config = dataclasses.replace(TrainConfig(**values), model="s12", dim=None, depth=None)
+    model = create_model(config, num_classes=10)
+    images = jax.ShapeDtypeStruct((batch, 32, 32, 3), jnp.float32)
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(images.shape))["params"])
+    loss = loss_function(model, 10, config.label_smoothing, config.layer_sparsity)
+    rng = jax.random.key(0)  # stochastic pruning: the residuals' shapes do not depend on it
+    res = bsr_jax.residual_bytes(lambda p, x, y: loss(p, {"image": x, "label": y}, rng)[0], params, images, labels)
+    return (res.activations + res.inputs) / MIB
+
+
+def accuracy_at(row: dict, epoch: float) -> float | None:
+    values = [acc for curve in row["curves"] for e, acc in curve if abs(e - epoch) < 1e-9]
+    return statistics.mean(values) if len(values) == row["seeds"] else None
+
+
+def front(rows: list[dict]) -> None:
+    """Marks ``on_front``: no other row has at most the memory and a higher accuracy."""
+    for r in rows:
+        r["on_front"] = not any(
+            o is not r and o["s12_mib"] <= r["s12_mib"] and o["final_accuracy"] > r["final_accuracy"] for o in rows
+        )
+
+
+def main(root: str, out: str) -> list[dict]:
+    rows = summarise(root, [])
+    for row in rows:
+        with open(os.path.join(root, f"{row['config']}-seed0", "config.json")) as f:
+            row["s12_mib"] = s12_activation_mib(json.load(f)["config"])
+    dense = next(r for r in rows if r["config"] == "dense")
+    dense_epoch3 = accuracy_at(dense, 3.0)
+    for row in rows:
+        row["s12_ratio"] = row["s12_mib"] / dense["s12_mib"]
+        row["acc_epoch3"] = accuracy_at(row, 3.0)
+        row["gap_epoch3"] = None if None in (row["acc_epoch3"], dense_epoch3) else dense_epoch3 - row["acc_epoch3"]
+        row["gap_final"] = dense["final_accuracy"] - row["final_accuracy"]
+    front(rows)
+    fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+    lines = [
+        "| config | seeds | epochs | test acc | dense minus it | acc @3 | dense minus it @3 | tiny MiB | S12 MiB | S12 vs dense | front |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: r["s12_mib"]):
+        lines.append(
+            f"| {r['config']} | {r['seeds']} | {r['epochs']:.0f} | {r['final_accuracy']:.2%} | {100 * r['gap_final']:+.2f} pt "
+            f"| {fmt(r['acc_epoch3'], '{:.2%}')} | {fmt(None if r['gap_epoch3'] is None else 100 * r['gap_epoch3'], '{:+.2f} pt')} "
+            f"| {fmt(r['residual_activation_mib'], '{:.1f}')} | {r['s12_mib']:.0f} | {r['s12_ratio']:.2f} | {'yes' if r['on_front'] else ''} |"
+        )
+    table = "\n".join(lines) + "\n"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "pareto.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(out, "pareto.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, r in enumerate(rows):
+        ax.scatter(r["s12_ratio"], r["final_accuracy"], color=f"C{i}", s=40, marker="o" if r["on_front"] else "x")
+        ax.annotate(r["config"], (r["s12_ratio"], r["final_accuracy"]), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    on = sorted((r for r in rows if r["on_front"]), key=lambda r: r["s12_ratio"])
+    ax.step([r["s12_ratio"] for r in on], [r["final_accuracy"] for r in on], where="post", color="k", alpha=0.5, label="Pareto front")
+    ax.set(xlabel="activation memory vs dense (ResMLP-S12, CIFAR shapes)", ylabel="final test accuracy (tiny ResMLP)",
+           title="Accuracy at memory, CIFAR-10 (JPEG copy)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "pareto.png"), dpi=120)
+    plt.close(fig)
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m benchmarks.pareto RUNS_ROOT OUT_DIR")
+    main(sys.argv[1], sys.argv[2])
