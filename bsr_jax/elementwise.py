@@ -79,6 +79,10 @@ def bsr_scale_shift(
     check_floating("x", x)
     if jnp.shape(scale) != (jnp.shape(x)[-1],) or jnp.result_type(scale) != jnp.result_type(x):
         raise ValueError(f"scale must be ({jnp.shape(x)[-1]},) of x's dtype, got {jnp.shape(scale)} {jnp.result_type(scale)}")
+    if not pruning.saves_memory(x):
+        # Nothing to prune (e.g. sparsity 0): the plain product, left to XLA's own partitioning.
+        y = x * scale
+        return y if shift is None else y + shift
 
     def local(x, params, key, _):
         # Runs on each device's rows under a mesh (bsr_jax.sharding), so capacities follow the local shape.

@@ -131,6 +131,9 @@ def pruned_dot_general(
             return _dot(x, w, config)
         return _pruned_dot(x, w, key, config)
 
+    if blocks is None and not pruning.saves_memory(x.reshape(*x.shape[: x.ndim - contracted], -1)):
+        # Nothing to prune (e.g. sparsity 0): the plain product, left to XLA's own partitioning.
+        return _dot(x, w, _Config(pruning, backend, precision, dims, tuple(x.shape)))
     rows = tuple(f"row{i}" for i in range(x.ndim - contracted))
     ks = tuple(f"k{i}" for i in range(contracted))
     outs = tuple(f"out{i}" for i in range(w.ndim - contracted))

@@ -161,7 +161,10 @@ def map_row_shards(
     summed = tuple(a for label in sorted(in_labels - set(out_labels)) for a in assigned[label])
     param_names = {label for labels in param_labels for label in labels}
     row_axes = tuple(a for label in x_labels if label not in param_names for a in assigned[label])
-    manual = frozenset(a for axes in assigned.values() for a in axes) if not explicit else frozenset(candidates)
+    # Every free axis goes manual: under a partly manual shard_map some jax.numpy ops of the
+    # compression (searchsorted) fail to trace in jax 0.10, so Auto axes other than the batch's are
+    # replicated inside (a kernel split over them is gathered: use Explicit axes for tensor parallel).
+    manual = frozenset(candidates)
     if explicit:
         # Explicit types must match the specs on entry; a reshard of a parameter (never of x, whose
         # own placement defines the specs) is the FSDP / disagreeing-axes gather.

@@ -1,0 +1,153 @@
+"""Sharded-jit checks on 4 forced host devices; run by test_sharding.py in a fresh interpreter.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/bsr_jax/sharding_check.py
+
+For data parallel (Explicit and Auto axes), a (data 2, model 2) mesh with the kernel split over
+"model" (tensor parallel) and an FSDP-split kernel: y and dx equal the dense ones, dW equals the
+sum over row shards of the independent float64 reference's per-shard masked product
+(``tests/reference.py``), dW keeps the kernel's sharding, and the compiled step has no all-gather
+(FSDP: only the kernel's). Also ``bsr_scale_shift``, ``compress_rows`` shared blocks, an op
+inside an existing ``shard_map``, and the Auto-axes error without ``batch_axes``.
+"""
+
+import contextlib
+import os
+import sys
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(TESTS)]  # the repository's bsr_jax before tests/bsr_jax
+sys.path.append(TESTS)  # tests/reference.py
+
+import chex  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import bsr_jax  # noqa: E402
+import reference  # noqa: E402
+from bsr_jax import sharding  # noqa: E402
+from bsr_jax.linear import linear_dims, pruned_dot_general  # noqa: E402
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+PRUNING = bsr_jax.Pruning(0.7, block=4)
+B, T, K, N = 8, 4, 16, 12  # 4 row shards of 2 x 4 = 8 rows: 2 block-rows each
+
+
+def inputs():
+    rng = np.random.default_rng(0)
+    # Heavy-tailed blocks so the per-shard ranking is not decided by rounding.
+    x = (rng.standard_t(2, size=(B, T, K)) * rng.uniform(0.1, 3, size=(B, 1, K))).astype(np.float32)
+    return x, rng.normal(size=(K, N)).astype(np.float32), rng.normal(size=(B, T, N)).astype(np.float32)
+
+
+def reference_grads(x, w, dy, shards: int):
+    """dW as the sum over row shards of kept_input(shard).T @ dy(shard), in float64."""
+    xs, dys = np.split(x.reshape(B * T, K), shards), np.split(dy.reshape(B * T, N), shards)
+    dw = sum(reference.kept_input(xs_, PRUNING.sparsity, PRUNING.block).T @ dy_ for xs_, dy_ in zip(xs, dys))
+    return x @ w, dy @ w.T.astype(np.float64), dw
+
+
+def grads(x, w, dy):
+    def f(x, w):
+        return bsr_jax.bsr_linear(x, w, pruning=PRUNING)
+
+    def run(x, w, dy):
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(dy))
+
+    return jax.jit(run), run
+
+
+def check_linear(mesh, x_spec, w_spec, shards, declare=False, dy_spec=None):
+    x, w, dy = inputs()
+    place = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (place(x, x_spec), place(w, w_spec), place(dy, x_spec if dy_spec is None else dy_spec))
+    step, _ = grads(x, w, dy)
+    with sharding.batch_axes("data") if declare else contextlib.nullcontext():
+        y, dx, dw = step(*args)
+        hlo = step.lower(*args).compile().as_text()
+    chex.assert_trees_all_close((np.asarray(y), np.asarray(dx), np.asarray(dw)), reference_grads(x, w, dy, shards), **TOL)
+    # Under Auto axes XLA may re-place the result; Explicit types keep it as the parameter's.
+    if mesh.axis_types[0] == AxisType.Explicit:
+        assert dw.sharding.spec == w_spec or (w_spec == P() and dw.sharding.is_fully_replicated), (dw.sharding, w_spec)
+    return hlo
+
+
+def gathered_shapes(hlo: str) -> list[str]:
+    return [line.split("=")[1].split("all-gather")[0].strip() for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+
+
+def main() -> int:
+    assert len(jax.devices()) == 4, jax.devices()
+    data4 = jax.make_mesh((4,), ("data",))
+    auto4 = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+    grid = jax.make_mesh((2, 2), ("data", "model"))
+    auto_grid = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+    # 1. Data parallel, Explicit and Auto: per-shard top-k, dW summed, nothing gathered.
+    for mesh in (data4, auto4):
+        hlo = check_linear(mesh, P("data"), P(), shards=4)
+        assert not gathered_shapes(hlo) and "all-reduce" in hlo, gathered_shapes(hlo)
+
+    # 2. (data, model): kernel split along its outputs (tensor parallel), dW stays split; rows over data.
+    hlo = check_linear(grid, P("data"), P(None, "model"), shards=2, dy_spec=P("data", None, "model"))
+    assert not gathered_shapes(hlo), gathered_shapes(hlo)
+    # Auto axes: the batch axis must be declared; the kernel is gathered (documented).
+    x, w, dy = inputs()
+    try:
+        grads(x, w, dy)[0](jax.device_put(x, NamedSharding(auto_grid, P("data"))), jax.device_put(w, NamedSharding(auto_grid, P())), dy)
+        raise AssertionError("several Auto axes without batch_axes must raise")
+    except ValueError as e:
+        assert "batch_axes" in str(e), e
+    check_linear(auto_grid, P("data"), P(), shards=2, declare=True)
+
+    # 3. FSDP: kernel split over the batch axis; only the kernel is gathered, dW comes back split.
+    hlo = check_linear(grid, P("data"), P("data", "model"), shards=2, dy_spec=P("data", None, "model"))
+    assert all(s.startswith("f32[8,") or s.startswith("f32[16,") for s in gathered_shapes(hlo)), gathered_shapes(hlo)
+
+    # 4. Scale/shift: dscale is the sum over row shards of the per-shard masked column sums.
+    x, _, dy = inputs()
+    scale = np.linspace(0.5, 1.5, K).astype(np.float32)
+    place = lambda a, spec: jax.device_put(a, NamedSharding(data4, spec))
+    f = lambda x, s: bsr_jax.bsr_scale_shift(x, s, pruning=PRUNING)
+    dy_k = dy[..., :1].repeat(K, -1)
+    run = jax.jit(lambda x, s, d: jax.vjp(f, x, s)[1](d))
+    dx, ds = run(place(x, P("data")), place(scale, P()), place(dy_k, P("data")))
+    kept = [reference.kept_input(a, PRUNING.sparsity, PRUNING.block) for a in np.split(x.reshape(B * T, K), 4)]
+    expected = sum((k * d).sum(0) for k, d in zip(kept, np.split(dy_k.reshape(B * T, K), 4)))
+    chex.assert_trees_all_close((np.asarray(dx), np.asarray(ds)), (dy_k * scale, expected), **TOL)
+
+    # 5. Shared blocks made per shard by compress_rows feed pruned_dot_general; global ones are refused.
+    x, w, dy = inputs()
+    xs, ws = place(x, P("data")), place(w, P())
+
+    def shared(x, w):
+        blocks = sharding.compress_rows(lambda a, k: PRUNING.compress(a, k), x.reshape(-1, K))
+        return pruned_dot_general(x, w, linear_dims(3), pruning=PRUNING, blocks=blocks)
+
+    out = jax.jit(lambda x, w, d: jax.vjp(shared, x, w)[1](d))(xs, ws, place(dy, P("data")))
+    chex.assert_trees_all_close(np.asarray(out[1]), reference_grads(x, w, dy, 4)[2], **TOL)
+    try:
+        # (On Auto axes: on Explicit ones the global ranking does not even trace.)
+        auto = lambda a: jax.device_put(a, NamedSharding(auto4, P("data")))
+        jax.jit(lambda x, w: pruned_dot_general(x, w, linear_dims(3), pruning=PRUNING, blocks=PRUNING.compress(x)))(auto(x), w)
+        raise AssertionError("globally compressed blocks must be refused under a mesh")
+    except ValueError as e:
+        assert "compress_rows" in str(e) or "row_stacked" in str(e), e
+
+    # 6. Inside an existing shard_map (train's loop) the op runs on the local rows unchanged.
+    def local(x, w, dy):
+        w = jax.lax.pcast(w, "data", to="varying")
+        _, vjp = jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=PRUNING), x, w)
+        return jax.lax.psum(vjp(dy)[1], "data")
+
+    mapped = jax.jit(jax.shard_map(local, mesh=data4, in_specs=(P("data"), P(), P("data")), out_specs=P()))
+    dw = mapped(xs, ws, place(dy, P("data")))
+    chex.assert_trees_all_close(np.asarray(dw), reference_grads(x, w, dy, 4)[2], **TOL)
+    print("4 devices: sharding checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
