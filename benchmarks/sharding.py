@@ -121,6 +121,8 @@ def main() -> None:
         if model_name not in chosen:
             continue
         for mesh_name, (mesh, model_axis, declare) in meshes.items():
+            if model_axis and model_name == "ResMLP-S12":
+                continue  # splitting every ResMLP kernel over "model" breaks the dense model's own dots
             dense = measure(build, 0.0, mesh, model_axis, declare)
             sparse = measure(build, SPARSITY, mesh, model_axis, declare)
             row = dict(model=model_name, mesh=mesh_name, dense=dense, sparse=sparse)
