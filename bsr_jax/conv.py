@@ -86,12 +86,12 @@ def _compressed_conv_fwd(x, w, key, config):
 
 def _compressed_conv_bwd(config, residuals, dy):
     kept, w = residuals
-    input_struct = jax.ShapeDtypeStruct(config.input_shape, w.dtype)
-    # The convolution is linear in each argument, so its transposes give dx and dW; neither
-    # transpose reads the value of the argument it differentiates.
-    (dx,) = jax.linear_transpose(lambda a: _conv(a, w, config), input_struct)(dy)
     x_hat = reconstructed_input(kept, config.input_shape)
-    (dw,) = jax.linear_transpose(lambda b: _conv(x_hat, b, config), jax.ShapeDtypeStruct(w.shape, w.dtype))(dy)
+    # The convolution is bilinear: its VJP at (x_hat, w) gives the exact dx (the transpose in x
+    # reads only w and dy) and dW at x_hat. Differentiating at x_hat, which is computed from x,
+    # also gives the cotangents x's and w's types under shard_map (varying manual axes).
+    _, vjp = jax.vjp(lambda a, b: _conv(a, b, config), x_hat, w)
+    dx, dw = vjp(dy)
     return dx, dw, None
 
 

@@ -25,7 +25,14 @@ AUGMENTS = ("cifar", "imagenet", "none")
 # The names of train.models.PRESETS and the library's option lists (bsr_jax.format's CRITERIA,
 # SELECTIONS, STORAGE_DTYPES, bsr_jax.backends.BACKENDS), repeated so that flags are checked
 # without importing JAX; tests/train/test_cli.py checks that they match.
-MODELS = ("tiny", "s12", "s24", "b24")
+RESMLP_MODELS = ("tiny", "s12", "s24", "b24")
+RESNET_MODELS = ("resnet18", "resnet50")  # train.resnet.PRESETS
+MODELS = RESMLP_MODELS + RESNET_MODELS
+# ResMLP-only settings: a ResNet run must leave them at their defaults.
+RESMLP_ONLY = ("depth", "sparse_stem", "sparse_head", "prune_scale_shift", "layer_sparsity")
+# --compression: window side of bsr_jax.Pooling on every ResNet convolution's input.
+POOLING_FACTORS = {"pool2": 2, "pool4": 4}
+COMPRESSIONS = tuple(POOLING_FACTORS)
 CRITERIA = ("l2", "l1")
 SELECTIONS = ("global", "column")
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
@@ -101,6 +108,7 @@ class TrainConfig:
     sparse_head: bool = False
     prune_scale_shift: bool = False
     storage_dtype: Literal["bfloat16", "int8", "float8_e4m3fn"] | None = None
+    compression: Literal["pool2", "pool4"] | None = None
     stochastic: bool = False
     sparsity_warmup_epochs: float = 0.0
     layer_sparsity: tuple[tuple[str, float], ...] = ()
@@ -135,6 +143,11 @@ class TrainConfig:
             "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
             "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
             "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
+            "compression": (
+                self.compression is None
+                or (self.compression in COMPRESSIONS and self.model in RESNET_MODELS and self.sparsity == 0 and not self.stochastic),
+                f"None or one of {COMPRESSIONS}, with a ResNet model {RESNET_MODELS} and without --sparsity/--stochastic",
+            ),
             "sparsity_warmup_epochs": (self.sparsity_warmup_epochs >= 0, ">= 0"),
             "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
             "image_size": (self.image_size >= 1 and self.image_size % self.patch_size == 0, "a multiple of patch_size"),
@@ -153,6 +166,11 @@ class TrainConfig:
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        if self.model in RESNET_MODELS:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in RESMLP_ONLY:
+                if getattr(self, name) != defaults[name]:
+                    raise InvalidSetting(name, f"{name} applies to ResMLP models only, got {_show(getattr(self, name))} with model {self.model}")
 
     def to_json(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self)
@@ -202,12 +220,14 @@ _HELP = {
     "cache_dir": "where decoded uint8 arrays are cached; default $BSR_JAX_CACHE or ~/.cache/bsr_jax",
     "image_size": "model input side in pixels",
     "augment": "training augmentation: 'cifar' pad-4 random crop + flip, 'imagenet' random resized crop + flip",
-    "model": "ResMLP preset (tiny: dim 128 depth 4; s12: 384x12; s24: 384x24; b24: 768x24)",
-    "patch_size": "side of the square patches",
-    "dim": "override the preset's channels per token",
-    "depth": "override the preset's number of blocks",
+    "model": "ResMLP preset (tiny: dim 128 depth 4; s12: 384x12; s24: 384x24; b24: 768x24) or ResNet v1.5 "
+    "(resnet18, resnet50; BatchNorm; 3x3 stem for images up to 64 px, else the 7x7 ImageNet stem)",
+    "patch_size": "side of the square patches (ResMLP)",
+    "dim": "override the preset's channels per token (ResNet: filters of the stem and first stage, default 64)",
+    "depth": "override the preset's number of blocks (ResMLP)",
     "dtype": "computation dtype (params and optimizer state stay float32)",
-    "sparsity": "fraction of activation blocks dropped from the weight-gradient residuals (0 = dense)",
+    "sparsity": "fraction of activation blocks dropped from the weight-gradient residuals (0 = dense); "
+    "ResNet: every convolution's input as (N*H*W, C) blocks",
     "block": "square block side of the pruning",
     "criterion": "block magnitude used for ranking",
     "selection": "'global': largest blocks of the whole tensor; 'column': same number per block-column",
@@ -216,6 +236,8 @@ _HELP = {
     "sparse_head": "also prune the classifier's input",
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
     "storage_dtype": "store kept blocks in lower precision (per-block scales for int8/float8), dequantized in backward",
+    "compression": "ResNet only: keep the window means of every convolution's input for its weight gradient, "
+    "2x2 (pool2) or 4x4 (pool4) windows (bsr_jax.Pooling; Barley & Froning 2024); --storage-dtype applies to them",
     "stochastic": "sample kept blocks with probability by magnitude and rescale them (unbiased weight gradients)",
     "sparsity_warmup_epochs": "ramp every layer's sparsity from 0 to its target over this many epochs, in 4 stairs",
     "layer_sparsity": "PATTERN=VALUE, repeatable: layers whose module path matches PATTERN (fnmatch, e.g. "
@@ -259,6 +281,7 @@ def build_parser(
         "selection": SELECTIONS,
         "storage_dtype": STORAGE_DTYPES,
         "backend": BACKENDS,
+        "compression": COMPRESSIONS,
     }
     parser.add_argument("--layer-sparsity", type=_layer_rule, action="append", default=list(defaults.layer_sparsity),
                         metavar="PATTERN=VALUE", help=_HELP["layer_sparsity"])

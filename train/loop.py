@@ -1,6 +1,8 @@
 """The train loop both CLIs share: ``train_and_evaluate(config, workdir)``.
 
-One run: load the data, build the ResMLP and the optimizer, restore the last checkpoint if asked,
+One run: load the data, build the model (ResMLP, or ResNet with BatchNorm, whose ``batch_stats``
+the state carries: updated by every train step, used as running averages in evaluation, saved in
+checkpoints) and the optimizer, restore the last checkpoint if asked,
 then train with a jitted, data-parallel step (see ``train.sharding`` for the per-device pruning
 semantics and multi-host use), evaluating at the end of every epoch. Everything it reports is
 printed and appended as JSON lines to ``WORKDIR/metrics.jsonl``:
@@ -38,21 +40,45 @@ import jax.numpy as jnp
 import optax
 from tqdm import tqdm
 
+import bsr_jax
+
 from train import data, metrics, run_dir, sharding
 from train.checkpoint import Checkpoints
-from train.config import TrainConfig, UsageError
+from train.config import POOLING_FACTORS, TrainConfig, UsageError
 from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
-from train.models import PRESETS, ResMLP, dense_def, scale_shift_defs
+from train.models import PRESETS, ResMLP, dense_def, predict, scale_shift_defs
+from train.resnet import PRESETS as RESNET_PRESETS
+from train.resnet import ResNet, conv_def
 
-State = dict[str, Any]  # {"step": int32 (), "params": pytree, "opt_state": pytree}
+# {"step": int32 (), "params": pytree, "opt_state": pytree}, plus "batch_stats" for BatchNorm models.
+State = dict[str, Any]
 
 
 # ----------------------------------------------------------------------------- model & optimizer
 
 
-def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> ResMLP:
-    """The ResMLP of ``config``: blocks' linears pruned at ``level * config.sparsity`` (``level``
-    follows the sparsity warmup), stem/head and Affine/LayerScale optionally."""
+def conv_compression(config: TrainConfig, level: float = 1.0) -> bsr_jax.Pooling | bsr_jax.Pruning | None:
+    """What every ResNet convolution keeps of its input: window means (``--compression``), blocks
+    at ``level * config.sparsity``, or (``None``) the input itself."""
+    if config.compression is not None:
+        return bsr_jax.Pooling(POOLING_FACTORS[config.compression], storage_dtype=config.storage_dtype)
+    if config.sparsity == 0 and config.storage_dtype is None:
+        return None
+    return bsr_jax.Pruning(round(config.sparsity * level, 6), block=config.block, criterion=config.criterion,
+                           selection=config.selection, storage_dtype=config.storage_dtype, stochastic=config.stochastic)  # fmt: skip
+
+
+def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> ResMLP | ResNet:
+    """The model of ``config``. ResMLP: blocks' linears pruned at ``level * config.sparsity``
+    (``level`` follows the sparsity warmup), stem/head and Affine/LayerScale optionally. ResNet:
+    every convolution compressed by ``conv_compression``, the classifier dense; the 3x3 stem for
+    images up to 64 px, the ImageNet stem above."""
+    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else None
+    if config.model in RESNET_PRESETS:
+        stem = "cifar" if config.image_size <= 64 else "imagenet"
+        conv = conv_def(conv_compression(config, level))
+        filters = {} if config.dim is None else {"num_filters": config.dim}
+        return ResNet(num_classes=num_classes, stem=stem, conv=conv, dtype=dtype, **filters, **RESNET_PRESETS[config.model])
     preset = dict(PRESETS[config.model])
     preset.update({k: v for k, v in (("dim", config.dim), ("depth", config.depth)) if v is not None})
     pruning = dict(
@@ -73,14 +99,14 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
         head_dense=dense if config.sparse_head else plain,
         affine=affine,
         layerscale=layerscale,
-        dtype=jnp.bfloat16 if config.dtype == "bfloat16" else None,
+        dtype=dtype,
         **preset,
     )
 
 
 def dense_counterpart(config: TrainConfig) -> TrainConfig:
     """``config`` with nothing pruned or compressed: the baseline its residual memory is compared to."""
-    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, stochastic=False)
+    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, stochastic=False, compression=None)
 
 
 def learning_rate_schedule(config: TrainConfig, steps_per_epoch: int) -> optax.Schedule:
@@ -102,18 +128,28 @@ def create_optimizer(config: TrainConfig, schedule: optax.Schedule) -> optax.Gra
 
 
 def loss_function(model: nn.Module, num_classes: int, label_smoothing: float, rules: SparsityRules = ()):
-    """``(params, batch, rng=None) -> (mean smoothed cross-entropy, {"accuracy"})`` over the batch.
+    """``(params, batch, rng=None, batch_stats=None) -> (mean smoothed cross-entropy, {"accuracy"})``
+    over the batch.
 
     ``rules`` are per-layer sparsities (``bsr_jax.schedules.layer_sparsity``); ``rng`` feeds the
-    ``"pruning"`` stream of stochastic layers.
+    ``"pruning"`` stream of stochastic layers. With ``batch_stats`` (a BatchNorm model) the model
+    runs in training mode (batch statistics) and the aux also holds the updated ``"batch_stats"``.
     """
 
-    def loss_fn(params, batch, rng=None):
+    def loss_fn(params, batch, rng=None, batch_stats=None):
+        rngs = None if rng is None else {"pruning": rng}
         with layer_sparsity(rules):
-            logits = model.apply({"params": params}, batch["image"], rngs=None if rng is None else {"pruning": rng})
+            if batch_stats is None:
+                logits = model.apply({"params": params}, batch["image"], rngs=rngs)
+            else:
+                variables = {"params": params, "batch_stats": batch_stats}
+                logits, updated = model.apply(variables, batch["image"], train=True, mutable=["batch_stats"], rngs=rngs)
         targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], num_classes), label_smoothing)
         loss = optax.softmax_cross_entropy(logits, targets).mean()
-        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
+        aux = {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"])}
+        if batch_stats is not None:
+            aux["batch_stats"] = updated["batch_stats"]
+        return loss, aux
 
     return loss_fn
 
@@ -125,8 +161,12 @@ def create_state(model: nn.Module, tx: optax.GradientTransformation, image_shape
     """Initial state, replicated over ``mesh``. ``image_shape`` is ``(B, H, W, C)`` (B unused but > 0)."""
 
     def init():
-        params = model.init(jax.random.key(seed), jnp.zeros(image_shape, jnp.float32))["params"]
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        variables = model.init(jax.random.key(seed), jnp.zeros(image_shape, jnp.float32))
+        params = variables["params"]
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        if "batch_stats" in variables:
+            state["batch_stats"] = variables["batch_stats"]
+        return state
 
     return jax.jit(init, out_shardings=sharding.replicated(mesh))()
 
@@ -141,21 +181,25 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, schedule: optax.S
 
     def step(state, batch):
         rng = None if rng_seed is None else jax.random.fold_in(jax.random.key(rng_seed), state["step"])
-        (loss, aux), grads = grad_fn(state["params"], batch, rng)
+        (loss, aux), grads = grad_fn(state["params"], batch, rng, state.get("batch_stats"))
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if "batch_stats" in state:
+            new_state["batch_stats"] = aux.pop("batch_stats")
         reported = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, reported
+        return new_state, reported
 
     rep = sharding.replicated(mesh)
     return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=(rep, rep), donate_argnums=0)
 
 
 def make_eval_step(model: nn.Module, mesh):
-    """Jitted ``(params, batch) -> {"loss_sum", "correct", "count"}`` over the real (mask 1) examples."""
+    """Jitted ``(variables, batch) -> {"loss_sum", "correct", "count"}`` over the real (mask 1)
+    examples; ``variables``: ``model_variables(state)``."""
 
-    def step(params, batch):
-        logits = model.apply({"params": params}, batch["image"])
+    def step(variables, batch):
+        logits = predict(model, variables, batch["image"])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
         correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
         mask = batch["mask"]
@@ -165,7 +209,12 @@ def make_eval_step(model: nn.Module, mesh):
     return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=rep)
 
 
-def evaluate(eval_step, params, batches: Iterator[dict], mesh, num_batches: int, stop: _StopRequest | None = None):
+def model_variables(state: State) -> dict[str, Any]:
+    """The model's variables in ``state``: params, and batch_stats where the model has them."""
+    return {name: state[name] for name in ("params", "batch_stats") if name in state}
+
+
+def evaluate(eval_step, variables, batches: Iterator[dict], mesh, num_batches: int, stop: _StopRequest | None = None):
     """``{"test_loss", "test_accuracy"}`` over ``batches``, with a progress bar; None when ``stop``
     was requested on the way (the evaluation is abandoned: a resumed run redoes it)."""
     totals = None
@@ -174,7 +223,7 @@ def evaluate(eval_step, params, batches: Iterator[dict], mesh, num_batches: int,
         for batch in tqdm(placed, total=num_batches, desc="evaluating", unit="batch", leave=False, disable=None):
             if stop is not None and stop.signal is not None:
                 return None
-            out = eval_step(params, batch)
+            out = eval_step(variables, batch)
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     totals = jax.device_get(totals)
     return {"test_loss": float(totals["loss_sum"] / totals["count"]), "test_accuracy": float(totals["correct"] / totals["count"])}
@@ -326,7 +375,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
 
     def run_eval(step: int, stop: _StopRequest) -> None:
         test_batches = data.eval_batches(test_data, config.eval_batch_size, image_size=crop)
-        scores = evaluate(eval_step, state["params"], test_batches, mesh, eval_batches, stop)
+        scores = evaluate(eval_step, model_variables(state), test_batches, mesh, eval_batches, stop)
         if scores is not None:
             result["eval"] = {"kind": "eval", "step": step, "epoch": step / steps_per_epoch, **scores}
             log(result["eval"])

@@ -27,17 +27,24 @@ from tqdm import tqdm
 
 import bsr_jax
 from bsr_jax.schedules import layer_sparsity
+from train.models import predict
 
 MIB = 2**20
 
 
-def kept_block_fraction(model: nn.Module, params: Any, images: jax.ShapeDtypeStruct, rules: Any = ()) -> float:
-    """Kept / total blocks over all pruned layers' inputs at this batch shape (1.0 if none is
-    pruned), under the per-layer sparsity ``rules`` the loss uses."""
+def kept_block_fraction(
+    model: nn.Module, params: Any, images: jax.ShapeDtypeStruct, rules: Any = (), batch_stats: Any = None
+) -> float:
+    """Kept / total blocks over all block-pruned layers' inputs at this batch shape (1.0 if none is
+    pruned; pooled convolutions are not block-pruned), under the per-layer sparsity ``rules`` the
+    loss uses. ``batch_stats``: a BatchNorm model's statistics (traced in evaluation mode)."""
     kept, total = 0, 0
+    variables = {"params": params} if batch_stats is None else {"params": params, "batch_stats": batch_stats}
     with layer_sparsity(rules):
-        plan = bsr_jax.pruning_plan(model.apply, {"params": params}, images)
+        plan = bsr_jax.pruning_plan(lambda v, x: predict(model, v, x), variables, images)
     for layer in plan:
+        if not isinstance(layer.compression, bsr_jax.Pruning):
+            continue
         stored = layer.compression.stored_shape(layer.input)
         kept += stored.capacity
         total += math.prod(stored.grid)
@@ -56,10 +63,13 @@ def memory_report(
     images = jax.ShapeDtypeStruct(per_device, jnp.float32)
     labels = jax.ShapeDtypeStruct(per_device[:1], jnp.int32)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state["params"])
+    batch_stats = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.get("batch_stats"))
+    extra = () if batch_stats is None else (batch_stats,)
     rng = jax.random.key(0)  # for stochastic pruning; the residuals' shapes do not depend on it
 
     def residual_mib(loss) -> float:
-        kept = bsr_jax.residual_bytes(lambda p, x, y: loss(p, {"image": x, "label": y}, rng)[0], params, images, labels)
+        fn = lambda p, x, y, *stats: loss(p, {"image": x, "label": y}, rng, *stats)[0]
+        kept = bsr_jax.residual_bytes(fn, params, images, labels, *extra)
         return (kept.activations + kept.inputs) / MIB
 
     compiled = bsr_jax.CompiledMemory.of(compiled_step)
@@ -70,7 +80,7 @@ def memory_report(
         "dense_residual_activation_mib": residual_mib(dense_loss_fn),
         "compiled_peak_mib": compiled.peak / MIB,
         "compiled_temp_mib": compiled.temp / MIB,
-        "kept_block_fraction": kept_block_fraction(model, params, images, rules),
+        "kept_block_fraction": kept_block_fraction(model, params, images, rules, batch_stats),
     }
 
 

@@ -170,6 +170,14 @@ class ResMLP(nn.Module):
         return logits.astype(jnp.float32)
 
 
+def predict(model: nn.Module, variables: dict[str, Any], images: jax.Array) -> jax.Array:
+    """Evaluation-mode logits: a model with BatchNorm (``"batch_stats"`` in ``variables``, e.g.
+    ``train.resnet.ResNet``) runs with ``train=False``, on its running averages."""
+    if "batch_stats" in variables:
+        return model.apply(variables, images, train=False)
+    return model.apply(variables, images)
+
+
 # Presets (ResMLP paper, Table 1). The patch size depends on the image size, so callers pass it:
 # 16 for 224px ImageNet, 4 for 32px CIFAR.
 PRESETS: dict[str, dict[str, int]] = {

@@ -14,6 +14,10 @@ equal shards). At sparsity > 0 it differs from pruning the whole batch at once: 
 its own top ``(1 - sparsity)`` fraction of blocks, i.e. the same memory per device, with a
 per-shard rather than global ranking.
 
+BatchNorm (ResNet). Each device normalises with its own shard's batch statistics (no
+``axis_name``, as in single-device training at ``B / n``); the updated running averages are
+``pmean``-ed with the gradients, so the replicated ``batch_stats`` are the mean of the devices'.
+
 Multi-host. Call ``jax.distributed.initialize()`` (coordinator address, process count and id from
 the cluster environment or arguments) before anything else touches JAX; ``jax.devices()`` then
 lists every device of every host and the mesh spans them all. Every process iterates the same
@@ -64,25 +68,30 @@ def local_rows(batch: Any) -> Any:
 def data_parallel_grad(
     loss_fn: Callable[..., tuple[jax.Array, Any]], mesh: Mesh
 ) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
-    """``(params, batch, rng=None) -> ((loss, aux), grads)`` averaged over the shards of ``batch``.
+    """``(params, batch, rng=None, batch_stats=None) -> ((loss, aux), grads)`` averaged over the
+    shards of ``batch``.
 
-    ``loss_fn(params, batch, rng) -> (loss, aux)`` is a mean over its batch; ``aux`` a pytree of
-    scalar means. Each device differentiates it on its local shard (see the module docstring for
+    ``loss_fn(params, batch, rng) -> (loss, aux)`` (``loss_fn(params, batch, rng, batch_stats)``
+    when ``batch_stats`` is given; not differentiated) is a mean over its batch; ``aux`` a pytree of
+    scalar means (and the updated ``batch_stats``, which are averaged the same way). Each device differentiates it on its local shard (see the module docstring for
     the pruning semantics), with ``rng`` (if given) folded with the device's index so stochastic
     pruning draws independently per shard; losses, aux and grads are ``pmean``-ed, so all outputs
     are replicated.
     """
 
-    def local(params, batch, rng):
+    def local(params, batch, rng, batch_stats):
         if rng is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
         # Mark the replicated params as per-device values, so their gradients stay per-shard
         # (rather than being summed implicitly by the transpose of the broadcast) and the one
         # reduction is the explicit pmean below.
         params = jax.lax.pcast(params, DATA_AXIS, to="varying")
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+        extra = () if batch_stats is None else (batch_stats,)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng, *extra)
         return jax.lax.pmean(((loss, aux), grads), DATA_AXIS)
 
     spec = PartitionSpec(DATA_AXIS)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), spec, PartitionSpec()), out_specs=PartitionSpec())
-    return lambda params, batch, rng=None: mapped(params, batch, rng)
+    replicated_spec = PartitionSpec()
+    in_specs = (replicated_spec, spec, replicated_spec, replicated_spec)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=replicated_spec)
+    return lambda params, batch, rng=None, batch_stats=None: mapped(params, batch, rng, batch_stats)
