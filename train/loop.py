@@ -24,7 +24,6 @@ run stops within one step). A NaN or infinite loss stops the run with ``Floating
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -40,73 +39,17 @@ import jax.numpy as jnp
 import optax
 from tqdm import tqdm
 
-import bsr_jax
-
 from train import data, metrics, run_dir, sharding
 from train.checkpoint import Checkpoints
-from train.config import POOLING_FACTORS, TrainConfig, UsageError
+from train.config import TrainConfig, UsageError
 from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
-from train.models import PRESETS, ResMLP, dense_def, predict, scale_shift_defs
-from train.resnet import PRESETS as RESNET_PRESETS
-from train.resnet import ResNet, conv_def
+from train.models import create_model, dense_counterpart, predict
 
 # {"step": int32 (), "params": pytree, "opt_state": pytree}, plus "batch_stats" for BatchNorm models.
 State = dict[str, Any]
 
 
 # ----------------------------------------------------------------------------- model & optimizer
-
-
-def conv_compression(config: TrainConfig, level: float = 1.0) -> bsr_jax.Pooling | bsr_jax.Pruning | None:
-    """What every ResNet convolution keeps of its input: window means (``--compression``), blocks
-    at ``level * config.sparsity``, or (``None``) the input itself."""
-    if config.compression is not None:
-        return bsr_jax.Pooling(POOLING_FACTORS[config.compression], storage_dtype=config.storage_dtype)
-    if config.sparsity == 0 and config.storage_dtype is None:
-        return None
-    return bsr_jax.Pruning(round(config.sparsity * level, 6), block=config.block, criterion=config.criterion,
-                           selection=config.selection, storage_dtype=config.storage_dtype, stochastic=config.stochastic)  # fmt: skip
-
-
-def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> ResMLP | ResNet:
-    """The model of ``config``. ResMLP: blocks' linears pruned at ``level * config.sparsity``
-    (``level`` follows the sparsity warmup), stem/head and Affine/LayerScale optionally. ResNet:
-    every convolution compressed by ``conv_compression``, the classifier dense; the 3x3 stem for
-    images up to 64 px, the ImageNet stem above."""
-    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else None
-    if config.model in RESNET_PRESETS:
-        stem = "cifar" if config.image_size <= 64 else "imagenet"
-        conv = conv_def(conv_compression(config, level))
-        filters = {} if config.dim is None else {"num_filters": config.dim}
-        return ResNet(num_classes=num_classes, stem=stem, conv=conv, dtype=dtype, **filters, **RESNET_PRESETS[config.model])
-    preset = dict(PRESETS[config.model])
-    preset.update({k: v for k, v in (("dim", config.dim), ("depth", config.depth)) if v is not None})
-    pruning = dict(
-        sparsity=round(config.sparsity * level, 6),
-        block=config.block,
-        criterion=config.criterion,
-        selection=config.selection,
-        storage_dtype=config.storage_dtype,
-        stochastic=config.stochastic,
-    )
-    dense, plain = dense_def(**pruning, backend=config.backend), dense_def(backend=config.backend)
-    affine, layerscale = scale_shift_defs(**pruning) if config.prune_scale_shift else scale_shift_defs()
-    return ResMLP(
-        num_classes=num_classes,
-        patch_size=config.patch_size,
-        dense=dense,
-        stem_dense=dense if config.sparse_stem else plain,
-        head_dense=dense if config.sparse_head else plain,
-        affine=affine,
-        layerscale=layerscale,
-        dtype=dtype,
-        **preset,
-    )
-
-
-def dense_counterpart(config: TrainConfig) -> TrainConfig:
-    """``config`` with nothing pruned or compressed: the baseline its residual memory is compared to."""
-    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, stochastic=False, compression=None)
 
 
 def learning_rate_schedule(config: TrainConfig, steps_per_epoch: int) -> optax.Schedule:

@@ -13,7 +13,7 @@ import os
 import jax
 import numpy as np
 
-from train import augment, data, loop, run_dir, sharding
+from train import augment, data, loop, models, run_dir, sharding
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig
 
@@ -35,9 +35,10 @@ def checkpoint_scores(workdir: str, step: int) -> dict[str, float]:
     image_shape = (1, *test.images.shape[1:])
     like = loop.create_state(model, tx, image_shape, config.seed, sharding.make_mesh(jax.devices()[:1]))
     checkpoints = Checkpoints(run_dir.checkpoint_dir(workdir))
-    params = checkpoints.restore(like, step)["params"]
+    variables = loop.model_variables(checkpoints.restore(like, step))  # params (and batch_stats)
     checkpoints.close()
-    logits = np.asarray(jax.jit(model.apply)({"params": params}, augment.normalize(test.images, test.mean, test.std)), np.float64)
+    images = augment.normalize(test.images, test.mean, test.std)
+    logits = np.asarray(jax.jit(lambda v, x: models.predict(model, v, x))(variables, images), np.float64)
     top = logits.max(-1)
     log_normaliser = top + np.log(np.exp(logits - top[:, None]).sum(-1))
     losses = log_normaliser - logits[np.arange(len(test.labels)), test.labels]

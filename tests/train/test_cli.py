@@ -37,9 +37,11 @@ def run_cli(module: str, *args: str, home, **env: str) -> subprocess.CompletedPr
 
 def test_option_lists_match_the_library_and_the_models():
     from bsr_jax import backends, format as bsr_format
+    from train import resnet
     from train.models import PRESETS
 
-    assert config_lib.MODELS == tuple(PRESETS)
+    assert config_lib.MODELS == (*PRESETS, *resnet.PRESETS)
+    assert config_lib.RESNET_MODELS == tuple(resnet.PRESETS)
     assert set(config_lib.STORAGE_DTYPES) == set(bsr_format.STORAGE_DTYPES)
     assert set(config_lib.CRITERIA) == set(bsr_format.CRITERIA)
     assert set(config_lib.SELECTIONS) == set(bsr_format.SELECTIONS)
@@ -96,6 +98,12 @@ def test_pruning_extension_flags():
         (["--layer-sparsity", "*/fc2=x"], "expected PATTERN=VALUE"),
         (["--layer-sparsity", "*/fc2=1.0"], "layer_sparsity must be PATTERN=VALUE rules with VALUE in [0, 1)"),
         (["--storage-dtype", "int3"], "argument --storage-dtype: invalid choice: 'int3'"),
+        (["--compression", "pool3"], "argument --compression: invalid choice: 'pool3'"),
+        (["--compression", "pool2"], "argument --compression: compression must be None or one of ('pool2', 'pool4'), "
+         "with a ResNet model ('resnet18', 'resnet50') and without --sparsity/--stochastic, got 'pool2'"),
+        (["--model", "resnet18", "--compression", "pool2", "--sparsity", "0.5"], "without --sparsity/--stochastic"),
+        (["--model", "resnet50", "--depth", "3"], "argument --depth: depth applies to ResMLP models only, got 3 with model resnet50"),
+        (["--model", "resnet18", "--layer-sparsity", "*=0.5"], "argument --layer-sparsity: layer_sparsity applies to ResMLP"),
     ],
 )
 def test_bad_pruning_extension_flags(flags, message, capsys):
@@ -289,3 +297,49 @@ def test_plot_draws_several_runs_into_the_first_workdir(smoke_run, tmp_path):
     out = first / "curves.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert plot.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")]) == 2
+
+
+def test_resnet_compression_flags():
+    config, _, _ = config_lib.parse(
+        "train.imagenet", "doc", IMAGENET_DEFAULTS, config_lib.DATASETS,
+        ["--model", "resnet50", "--compression", "pool4", "--storage-dtype", "int8"],
+    )  # fmt: skip
+    assert (config.model, config.compression, config.storage_dtype) == ("resnet50", "pool4", "int8")
+
+
+def test_resnet18_pool2_smoke_run_carries_batch_stats(smoke_data, tmp_path):
+    """``--model resnet18 --compression pool2 --steps 2`` end to end (8 filters, batch 4), then
+    one resumed step: the checkpoints hold batch_stats, which training changed and evaluation used."""
+    workdir = tmp_path / "run"
+    flags = ["--data-dir", str(smoke_data), "--cache-dir", str(smoke_data / "cache"), "--workdir", str(workdir),
+             "--model", "resnet18", "--compression", "pool2", "--dim", "8", "--batch-size", "4",
+             "--eval-batch-size", "6", "--log-every", "1"]  # fmt: skip
+    done = run_cli("train.cifar", *flags, "--steps", "2", home=smoke_data)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["memory", "train", "train", "eval"]
+    assert all(np.isfinite(r["loss"]) for r in records if r["kind"] == "train")
+    # Pooled conv inputs keep less than the dense ResNet (BatchNorm and ReLU keep the rest).
+    assert records[0]["residual_activation_mib"] < 0.9 * records[0]["dense_residual_activation_mib"]
+    recomputed = checkpoint_scores(str(workdir), 2)  # evaluation mode on the saved running averages
+    assert records[-1]["test_accuracy"] == pytest.approx(recomputed["test_accuracy"], abs=1e-7)
+    assert records[-1]["test_loss"] == pytest.approx(recomputed["test_loss"], rel=1e-5)
+
+    import jax
+
+    from train import loop, sharding
+    from train.checkpoint import Checkpoints
+
+    config = TrainConfig.from_json(json.loads((workdir / "config.json").read_text())["config"])
+    assert config.compression == "pool2" and config.model == "resnet18"
+    model = loop.create_model(config, 10)
+    tx = loop.create_optimizer(config, loop.learning_rate_schedule(config, steps_per_epoch=1))
+    initial = loop.create_state(model, tx, (1, 32, 32, 3), config.seed, sharding.make_mesh(jax.devices()[:1]))
+    checkpoints = Checkpoints(str(workdir / "checkpoints"))
+    saved = checkpoints.restore(initial, 2)
+    checkpoints.close()
+    # Two training steps moved the running averages away from their initial values.
+    assert not np.allclose(saved["batch_stats"]["bn_init"]["mean"], initial["batch_stats"]["bn_init"]["mean"])
+    resumed = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--steps", "3", home=smoke_data)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
