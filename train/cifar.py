@@ -1,6 +1,8 @@
-"""Train ResMLP on CIFAR-10/100 with block-sparse activation residuals.
+"""Train ResMLP or ResNet on CIFAR-10/100 with compressed activation residuals.
 
 Example: python -m train.cifar --sparsity 0.7 --block 16 --data-dir cifar-10-python.tar.gz
+ResNet-18 (3x3 stem, BatchNorm), every conv input pooled 2x2 for its weight gradient:
+python -m train.cifar --model resnet18 --compression pool2 (or pool4, or --sparsity 0.7)
 Without --data-dir, CIFAR is looked for in tfds' manual dir and ~/.cache/bsr_jax/downloads, else
 downloaded there. The tiny preset takes about 3 minutes per epoch on 2 CPU cores (the default 100
 epochs: about 5 hours); --epochs 3 or --steps 100 for a quick run.

@@ -1,6 +1,8 @@
-"""Train ResMLP on ImageNet (ILSVRC 2012) at 224px, patch 16, with block-sparse activation residuals.
+"""Train ResMLP or ResNet on ImageNet (ILSVRC 2012) at 224px with compressed activation residuals.
 
 Example: python -m train.imagenet --model s12 --sparsity 0.7 --block 16 --data-dir ~/imagenet
+ResNet-50 (7x7 stem, BatchNorm), every conv input pooled 2x2 for its weight gradient:
+python -m train.imagenet --model resnet50 --compression pool2 --data-dir ~/imagenet
 (--data-dir holds ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar, tfds' manual_dir layout,
 or an image folder train/<class>/*.JPEG, val/<class>/*.JPEG).
 """

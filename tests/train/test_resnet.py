@@ -115,3 +115,55 @@ def test_pooled_convs_keep_fewer_residual_bytes():
 
     # Conv inputs are a minority of what BatchNorm and ReLU keep, so the saving is partial (docs/conv.md).
     assert activations(bsr_jax.Pooling(factor=2)) < 0.9 * activations(None)
+
+
+def test_create_model_from_flags():
+    from train.config import TrainConfig
+    from train.models import create_model
+
+    def conv_compression_and_stem(**flags):
+        model = create_model(TrainConfig(model="resnet18", **flags), 10)
+        return model.conv.keywords["compression"], model.stem
+
+    assert conv_compression_and_stem() == (None, "cifar")
+    assert conv_compression_and_stem(compression="pool4", storage_dtype="int8") == (bsr_jax.Pooling(4, "int8"), "cifar")
+    pruning = bsr_jax.Pruning(0.7, block=8, criterion="l1")
+    assert conv_compression_and_stem(sparsity=0.7, block=8, criterion="l1", image_size=224) == (pruning, "imagenet")
+    assert create_model(TrainConfig(model="resnet50", dim=16), 10).num_filters == 16
+
+
+DATA_PARALLEL_SCRIPT = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from train import loop, sharding
+from train.config import TrainConfig
+config = TrainConfig(model="resnet18", compression="pool2", dim=4, batch_size=4)
+model = loop.create_model(config, 10)
+schedule = loop.learning_rate_schedule(config, 10)
+tx = loop.create_optimizer(config, schedule)
+batch = {"image": jax.random.normal(jax.random.key(0), (4, 16, 16, 3)), "label": jnp.arange(4)}
+means = []
+for n in (1, 2):
+    mesh = sharding.make_mesh(jax.devices()[:n])
+    state = loop.create_state(model, tx, (4, 16, 16, 3), 0, mesh)
+    step = loop.make_train_step(loop.loss_function(model, 10, 0.0), tx, schedule, mesh)
+    new, metrics = step(state, jax.device_put(batch, sharding.batch_sharding(mesh)))
+    assert np.isfinite(metrics["loss"])
+    means.append(np.asarray(new["batch_stats"]["bn_init"]["mean"]))
+# The stem's running mean is linear in the batch: the pmean of the two shards' updates equals the
+# whole batch's, so batch_stats are averaged over devices, not taken from one.
+np.testing.assert_allclose(means[1], means[0], rtol=1e-5, atol=1e-7)
+print("ok")
+"""
+
+
+def test_data_parallel_train_step_averages_batch_stats_over_devices():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
