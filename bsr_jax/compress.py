@@ -17,7 +17,7 @@ activations, attention; all exact).
 Left dense and reported (``UserWarning`` naming the path and the reason, ``rules.report_dense``):
 modules with their own ``dot_general``/``dot_general_cls`` or ``conv_general_dilated(_cls)``,
 DenseGeneral with batch dims, non-float inputs, products that are not a plain linear map,
-``nn.ConvLocal``/``nn.ConvTranspose``, and ``Pooling`` rules on layers that are not convolutions.
+``nn.ConvLocal``/``nn.ConvTranspose``/``nn.Einsum``, and ``Pooling`` rules on layers that are not convolutions.
 
 NNX: the matching ``nnx.Linear`` / ``nnx.LinearGeneral`` modules of the (in place) returned model
 get a compressing ``dot_general`` and, with ``lean``, the root's ``__call__`` runs inside
@@ -48,7 +48,9 @@ from bsr_jax.rules import NO_MATCH, Rule
 
 ROUTED_LINEN = (nn.Dense, nn.DenseGeneral)
 ROUTED_LINEN_CONV = nn.Conv  # and subclasses; bsr_jax.Conv resolves its rule itself
-REPORTED_LINEN_CONV = (nn.ConvLocal, nn.ConvTranspose)  # a matching compression is reported, not applied
+# A matching compression is reported, not applied: no product hook to replace (nn.Einsum calls
+# jnp.einsum directly) or a product other than the plain one (local / transposed convolutions).
+REPORTED_LINEN = (nn.ConvLocal, nn.ConvTranspose, nn.Einsum)
 ROUTED_NNX = (nnx.Linear, nnx.LinearGeneral)
 
 
@@ -125,7 +127,7 @@ def _replaced(module: nn.Module, attribute: str, value: Any, call):
 def _route_linen(shared: _SharedBlocks):
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
-        routed = isinstance(module, (*ROUTED_LINEN, ROUTED_LINEN_CONV, *REPORTED_LINEN_CONV))
+        routed = isinstance(module, (*ROUTED_LINEN, ROUTED_LINEN_CONV, *REPORTED_LINEN))
         if context.method_name != "__call__" or not routed or isinstance(module, (PrunedModule, Conv)):
             return next_fun(*args, **kwargs)
         compression = rules_lib.lookup(module)
@@ -134,8 +136,8 @@ def _route_linen(shared: _SharedBlocks):
         path = rules_lib.module_path(module)
         call = lambda: next_fun(*args, **kwargs)
         key = module.make_rng("pruning") if compression.needs_key and module.has_rng("pruning") else None
-        if isinstance(module, REPORTED_LINEN_CONV):
-            rules_lib.report_dense(path, f"{type(module).__name__} is not supported (nn.Conv and subclasses are)")
+        if isinstance(module, REPORTED_LINEN):
+            rules_lib.report_dense(path, f"{type(module).__name__} is not routed (nn.Dense, nn.DenseGeneral, nn.Conv and subclasses are)")
             return call()
         if isinstance(module, ROUTED_LINEN_CONV):
             if module.conv_general_dilated is not None or module.conv_general_dilated_cls is not None:

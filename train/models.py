@@ -43,52 +43,22 @@ ModuleDef = Any
 _gelu = jax.checkpoint(functools.partial(nn.gelu, approximate=False))
 
 
-def dense_def(
-    *,
-    sparsity: float = 0.0,
-    block: bsr_jax.format.BlockSpec = 16,
-    criterion: str = "l2",
-    selection: str = "global",
-    storage_dtype: str | None = None,
-    stochastic: bool = False,
-    backend: str | None = None,
-) -> ModuleDef:
-    """A ``bsr_jax.Dense`` constructor carrying the pruning settings, for ``ResMLP(dense=...)``."""
-    return functools.partial(
-        bsr_jax.Dense,
-        sparsity=sparsity,
-        block=block,
-        criterion=criterion,
-        selection=selection,
-        storage_dtype=storage_dtype,
-        stochastic=stochastic,
-        backend=backend,
-    )
+def dense_def(pruning: bsr_jax.Pruning | None = None, *, backend: str | None = None, **shorthand: Any) -> ModuleDef:
+    """A ``bsr_jax.Dense`` constructor carrying the pruning (a ``bsr_jax.Pruning``, or its fields
+    as keywords; nothing: dense), for ``ResMLP(dense=...)``."""
+    return functools.partial(bsr_jax.Dense, pruning=pruning, backend=backend, **shorthand)
 
 
-def scale_shift_defs(
-    *,
-    sparsity: float = 0.0,
-    block: bsr_jax.format.BlockSpec = 16,
-    criterion: str = "l2",
-    selection: str = "global",
-    storage_dtype: str | None = None,
-    stochastic: bool = False,
-) -> tuple[ModuleDef, ModuleDef]:
+def scale_shift_defs(pruning: bsr_jax.Pruning | None = None, **shorthand: Any) -> tuple[ModuleDef, ModuleDef]:
     """``(affine, layerscale)`` constructors whose scale gradients see only the largest input blocks.
 
-    Their input and shift gradients stay exact (see ``bsr_jax.bsr_scale_shift``); sparsity 0 is
+    Their input and shift gradients stay exact (see ``bsr_jax.bsr_scale_shift``); no pruning is
     the plain ``alpha * x + beta`` and ``scale * x``.
     """
-    options = dict(
-        sparsity=sparsity,
-        block=block,
-        criterion=criterion,
-        selection=selection,
-        storage_dtype=storage_dtype,
-        stochastic=stochastic,
+    return (
+        functools.partial(bsr_jax.Affine, pruning=pruning, **shorthand),
+        functools.partial(bsr_jax.LayerScale, pruning=pruning, **shorthand),
     )
-    return functools.partial(bsr_jax.Affine, **options), functools.partial(bsr_jax.LayerScale, **options)
 
 
 def layerscale_init_for(depth: int) -> float:
@@ -205,8 +175,20 @@ def conv_compression(config: TrainConfig, level: float = 1.0) -> bsr_jax.Pooling
         return bsr_jax.Pooling(POOLING_FACTORS[config.compression], storage_dtype=config.storage_dtype)
     if config.sparsity == 0 and config.storage_dtype is None:
         return None
-    return bsr_jax.Pruning(round(config.sparsity * level, 6), block=config.block, criterion=config.criterion,
-                           selection=config.selection, storage_dtype=config.storage_dtype, stochastic=config.stochastic)  # fmt: skip
+    return config_pruning(config, level)
+
+
+def config_pruning(config: TrainConfig, level: float = 1.0) -> bsr_jax.Pruning:
+    """The one place the run's flags become the library's options: ``Pruning`` at ``level`` times
+    the configured sparsity (``level`` follows the sparsity warmup)."""
+    return bsr_jax.Pruning(
+        round(config.sparsity * level, 6),
+        block=config.block,
+        criterion=config.criterion,
+        selection=config.selection,
+        storage_dtype=config.storage_dtype,
+        stochastic=config.stochastic,
+    )
 
 
 def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> ResMLP | ResNet:
@@ -222,16 +204,9 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
         return ResNet(num_classes=num_classes, stem=stem, conv=conv, dtype=dtype, **filters, **RESNET_PRESETS[config.model])
     preset = dict(PRESETS[config.model])
     preset.update({k: v for k, v in (("dim", config.dim), ("depth", config.depth)) if v is not None})
-    pruning = dict(
-        sparsity=round(config.sparsity * level, 6),
-        block=config.block,
-        criterion=config.criterion,
-        selection=config.selection,
-        storage_dtype=config.storage_dtype,
-        stochastic=config.stochastic,
-    )
-    dense, plain = dense_def(**pruning, backend=config.backend), dense_def(backend=config.backend)
-    affine, layerscale = scale_shift_defs(**pruning) if config.prune_scale_shift else scale_shift_defs()
+    pruning = config_pruning(config, level)
+    dense, plain = dense_def(pruning, backend=config.backend), dense_def(backend=config.backend)
+    affine, layerscale = scale_shift_defs(pruning) if config.prune_scale_shift else scale_shift_defs()
     return ResMLP(
         num_classes=num_classes,
         patch_size=config.patch_size,

@@ -299,8 +299,8 @@ def test_unsupported_convs_stay_dense_exact_and_are_reported():
     x = jax.random.normal(jax.random.key(0), (2, 6, 6, 4))
     for layer, message in [
         (nn.Conv(4, (3, 3), conv_general_dilated=jax.lax.conv_general_dilated), "its own conv_general_dilated"),
-        (nn.ConvTranspose(4, (3, 3)), "ConvTranspose is not supported"),
-        (nn.ConvLocal(4, (3, 3)), "ConvLocal is not supported"),
+        (nn.ConvTranspose(4, (3, 3)), "ConvTranspose is not routed"),
+        (nn.ConvLocal(4, (3, 3)), "ConvLocal is not routed"),
     ]:
         params = layer.init(jax.random.key(1), x)
         compressed = compress_model(layer, [Rule("*", Pruning(0.7, block=2))], lean=False)
@@ -308,3 +308,13 @@ def test_unsupported_convs_stay_dense_exact_and_are_reported():
         with pytest.warns(UserWarning, match=message):
             got = grad(compressed)
         chex.assert_trees_all_equal(got, grad(layer))
+
+
+def test_einsum_is_reported_and_stays_dense():
+    x = jax.random.normal(jax.random.key(0), (4, 6, 8))
+    layer = nn.Einsum((8, 5), "btd,df->btf")
+    params = layer.init(jax.random.key(1), x)
+    compressed = compress_model(layer, [Rule("*", Pruning(0.7, block=2))], lean=False)
+    with pytest.warns(UserWarning, match="Einsum is not routed"):
+        got = jax.grad(lambda p: jnp.sum(jnp.sin(compressed.apply(p, x))))(params)
+    chex.assert_trees_all_equal(got, jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply(p, x))))(params))
