@@ -112,8 +112,15 @@ def _state_like():
 # The second case resumes in the middle of a sparsity warmup, with stochastic int8 blocks.
 @pytest.mark.parametrize(
     "pruning",
-    [{}, dict(sparsity=0.5, block=4, stochastic=True, storage_dtype="int8", sparsity_warmup_epochs=1.0)],
-    ids=["dense", "stochastic-warmup"],
+    [
+        pytest.param({}, id="dense"),
+        # 30 s on 2 cores; the dense case runs by default, keys per step are tested in test_pruning_keys.
+        pytest.param(
+            dict(sparsity=0.5, block=4, stochastic=True, storage_dtype="int8", sparsity_warmup_epochs=1.0),
+            id="stochastic-warmup",
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_resume_continues_bit_for_bit(generated_data, tmp_path, pruning):
     # 2 epochs of 4 steps; the interrupted run stops mid-epoch, so resuming needs epoch and batch.
