@@ -43,7 +43,7 @@ from bsr_jax import rules as rules_lib
 from bsr_jax.conv import Conv, channels_last_dimension_numbers, compressed_conv
 from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.layers import PrunedModule
-from bsr_jax.linear import is_linear_dims, pruned_dot_general
+from bsr_jax.linear import is_linear_dims, merge_contracted, pruned_dot_general
 from bsr_jax.rules import NO_MATCH, Rule
 
 ROUTED_LINEN = (nn.Dense, nn.DenseGeneral)
@@ -78,11 +78,11 @@ def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None
         if not is_linear_dims(dims, x.ndim) or any(v is not None for v in kwargs.values()):
             rules_lib.report_dense(path, f"dot_general {dims} {kwargs} is not a plain linear map")
             return jax.lax.dot_general(x, w, dims, precision=precision, **kwargs)
-        rules_lib.record(path, pruning, x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1))
+        x2 = merge_contracted(x, len(dims[0][0]))
+        rules_lib.record(path, pruning, x2)
         blocks = None
         # Shared blocks are computed in the forward pass, so they need the key there; a stochastic
         # layer without one keeps its own (which raises if it is differentiated).
-        x2 = x.reshape(*x.shape[: x.ndim - len(dims[0][0])], -1)
         if shared is not None and source is not None and len(dims[0][0]) == 1 and pruning.saves_memory(x2) and (key is not None or not pruning.needs_key):
             blocks = shared.blocks(source, x, pruning, key)
         return pruned_dot_general(x, w, dims, pruning=pruning, key=key, blocks=blocks, precision=precision)

@@ -39,6 +39,11 @@ def is_linear_dims(dims: Dims, x_ndim: int) -> bool:
     return batch == ((), ()) and n >= 1 and tuple(x_axes) == linear_dims(x_ndim, n)[0][0] and tuple(w_axes) == tuple(range(n))
 
 
+def merge_contracted(x: jax.Array, contracted: int) -> jax.Array:
+    """x with its last ``contracted`` axes merged into one: the ``(..., K)`` matrix pruning sees."""
+    return x.reshape(*x.shape[: x.ndim - contracted], -1)
+
+
 def _dot(x, w, config: _Config):
     # The same call as flax's Dense / DenseGeneral, so the forward is bit-identical to theirs.
     return lax.dot_general(x, w, config.dims, precision=config.precision)
@@ -56,8 +61,7 @@ def _pruned_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Conf
 
 def _pruned_dot_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
-    contracted = len(config.dims[0][0])
-    x2 = x.reshape(*x.shape[: x.ndim - contracted], -1)
+    x2 = merge_contracted(x, len(config.dims[0][0]))
     return _dot(x, w, config), (config.pruning.compress(x2, key), w)
 
 
@@ -87,10 +91,13 @@ def _pruned_dot_bwd(config, residuals, dy):
     return dx.astype(blocks.values.dtype), dw.astype(w.dtype)
 
 
-_pruned_dot.defvjp(_pruned_dot_fwd, lambda config, res, dy: (*_pruned_dot_bwd(config, res, dy), None))
-_dot_with_blocks.defvjp(
-    _dot_with_blocks_fwd, lambda config, res, dy: (*_pruned_dot_bwd(config, res, dy), None)
-)
+def _pruned_dot_vjp(config, residuals, dy):
+    # The third argument (a key, or blocks computed by the caller) gets no cotangent.
+    return (*_pruned_dot_bwd(config, residuals, dy), None)
+
+
+_pruned_dot.defvjp(_pruned_dot_fwd, _pruned_dot_vjp)
+_dot_with_blocks.defvjp(_dot_with_blocks_fwd, _pruned_dot_vjp)
 
 
 def pruned_dot_general(
@@ -119,7 +126,7 @@ def pruned_dot_general(
         # Runs on each device's rows under a mesh (bsr_jax.sharding), so capacities follow the local shape.
         (w,) = params
         config = _Config(pruning, backend, precision, dims, tuple(x.shape))
-        x2 = x.reshape(*x.shape[: x.ndim - contracted], -1)
+        x2 = merge_contracted(x, contracted)
         if blocks is not None:
             if blocks.shape != (math.prod(x2.shape[:-1]), x2.shape[-1]):
                 raise ValueError(
@@ -131,7 +138,7 @@ def pruned_dot_general(
             return _dot(x, w, config)
         return _pruned_dot(x, w, key, config)
 
-    if blocks is None and not pruning.saves_memory(x.reshape(*x.shape[: x.ndim - contracted], -1)):
+    if blocks is None and not pruning.saves_memory(merge_contracted(x, contracted)):
         # Nothing to prune (e.g. sparsity 0): the plain product, left to XLA's own partitioning.
         return _dot(x, w, _Config(pruning, backend, precision, dims, tuple(x.shape)))
     rows = tuple(f"row{i}" for i in range(x.ndim - contracted))
