@@ -358,7 +358,11 @@ def _top_blocks(scores: jax.Array, capacity: int, selection: Selection, with_thr
     flat = jnp.nonzero(keep.reshape(-1), size=capacity)[0].astype(jnp.int32)
     col_ids, row_ids = flat // mb, flat % mb
     if selection == "global":
-        col_ptr = jnp.searchsorted(col_ids, jnp.arange(kb + 1, dtype=col_ids.dtype), side="left")
+        # Exactly `capacity` blocks are kept, so the running count of kept blocks per column is the
+        # pointer; jnp.searchsorted would give the same but fails to trace inside a partly manual
+        # shard_map (jax 0.10; bsr_jax.sharding keeps Auto axes other than the rows' automatic).
+        per_column = jnp.sum(keep.reshape(kb, mb), axis=1, dtype=jnp.int32)
+        col_ptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_column, dtype=jnp.int32)])
     else:
         col_ptr = jnp.arange(kb + 1, dtype=jnp.int32) * per_group
     threshold = None
