@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from train import run_dir
-from train.config import TrainConfig, UsageError, parse
+from train.config import TrainConfig, UsageError, parse, parse_processes
 
 
 def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str], argv: Sequence[str] | None) -> int:
@@ -18,6 +18,7 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
     continues it).
     """
     config, workdir, overrides = parse(prog, description, defaults, datasets, argv)
+    processes = parse_processes(prog, argv)
     if config.resume:
         done = run_dir.finished_at(workdir, config.steps, config.epochs)
         if done is not None:
@@ -29,7 +30,9 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
     # Imported after parsing, so --help and flag errors do not wait for JAX to start.
     from train.data import DataError
     from train.loop import train_and_evaluate
+    from train.sharding import join_processes
 
+    join_processes(processes)  # before anything starts JAX's backends
     try:
         result = train_and_evaluate(config, workdir)
     except (DataError, UsageError) as error:

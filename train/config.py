@@ -195,6 +195,42 @@ class TrainConfig:
         ]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Processes:
+    """This process's place in a run over several processes (``jax.distributed.initialize``).
+
+    Not part of ``TrainConfig``: it says where a run executes, not what it computes (the mesh spans
+    every process's devices, so a run on 2 processes x 2 devices computes what 1 x 4 does), and it
+    differs between the processes of one run. The default is a single process.
+    """
+
+    coordinator: str | None = None  # HOST:PORT of process 0's coordination service
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        host, _, port = (self.coordinator or "").rpartition(":")
+        checks = {
+            "num_processes": (self.num_processes >= 1, ">= 1"),
+            "process_id": (0 <= self.process_id < self.num_processes, f"in [0, num_processes = {self.num_processes})"),
+            "coordinator": (
+                (self.coordinator is None and self.num_processes == 1) or (bool(host) and port.isdigit()),
+                "HOST:PORT, given exactly when num_processes > 1",
+            ),
+        }
+        for name, (ok, allowed) in checks.items():
+            if not ok:
+                raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+
+PROCESS_FLAGS_HELP = {
+    "coordinator": "HOST:PORT where process 0 serves JAX's coordination service (runs over several processes; "
+    "every process passes the same address)",
+    "num_processes": "processes of the run; their devices form one mesh and --batch-size is split over all of them",
+    "process_id": "this process's index in [0, --num-processes); process 0 writes metrics.jsonl and config.json",
+}
+
+
 CIFAR_DEFAULTS = TrainConfig()
 # ResMLP's ImageNet recipe (Touvron et al. 2021): LAMB, lr 5e-3, weight decay 0.2, 400 epochs,
 # batch 1024; without its RandAugment/Mixup/CutMix, which this suite does not implement.
@@ -294,7 +330,26 @@ def build_parser(
             continue
         kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
         parser.add_argument(_flag(field.name), type=kind, default=default, choices=choices.get(field.name), help=_HELP[field.name])
+    _add_process_flags(parser)
     return parser
+
+
+def _add_process_flags(parser: argparse.ArgumentParser) -> None:
+    for field in dataclasses.fields(Processes):
+        kind = int if field.type == "int" else str
+        parser.add_argument(_flag(field.name), type=kind, default=field.default, help=PROCESS_FLAGS_HELP[field.name])
+
+
+def parse_processes(prog: str, argv: Sequence[str] | None = None) -> Processes:
+    """The ``Processes`` flags of ``argv`` (the others are ``parse``'s); a bad value exits with
+    argparse's usage error (code 2) naming the flag."""
+    parser = _Parser(prog=prog, add_help=False)
+    _add_process_flags(parser)
+    given, _ = parser.parse_known_args(argv)
+    try:
+        return Processes(**vars(given))
+    except InvalidSetting as error:
+        parser.error(f"argument {_flag(error.field)}: {error}")
 
 
 def _layer_rule(text: str) -> tuple[str, float]:
@@ -323,6 +378,8 @@ def parse(
     # given (argparse fills in defaults only for names it does not find); layer rules accumulate.
     given = vars(parser.parse_args(argv, argparse.Namespace(**{n: _NOT_GIVEN for n in _field_names()} | {"layer_sparsity": []})))
     workdir = given.pop("workdir")
+    for field in dataclasses.fields(Processes):  # parse_processes' flags
+        given.pop(field.name)
     given = {n: tuple(v) if n == "layer_sparsity" else v for n, v in given.items() if v is not _NOT_GIVEN and v != []}
     saved = run_dir.read_saved(workdir) if given.get("resume") else None
     try:

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from tqdm import tqdm
 
-from train import data, metrics, run_dir, sharding
+from train import data, metrics, run_dir, sharding, stopping
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
 from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
@@ -157,51 +156,19 @@ def model_variables(state: State) -> dict[str, Any]:
     return {name: state[name] for name in ("params", "batch_stats") if name in state}
 
 
-def evaluate(eval_step, variables, batches: Iterator[dict], mesh, num_batches: int, stop: _StopRequest | None = None):
+def evaluate(eval_step, variables, batches: Iterator[dict], mesh, num_batches: int, stop: stopping.StopRequest | None = None):
     """``{"test_loss", "test_accuracy"}`` over ``batches``, with a progress bar; None when ``stop``
     was requested on the way (the evaluation is abandoned: a resumed run redoes it)."""
     totals = None
     placed = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
     with contextlib.closing(placed):
-        for batch in tqdm(placed, total=num_batches, desc="evaluating", unit="batch", leave=False, disable=None):
-            if stop is not None and stop.signal is not None:
+        for batch in tqdm(placed, total=num_batches, desc="evaluating", unit="batch", leave=False, disable=_quiet()):
+            if stop is not None and stop.agreed() is not None:
                 return None
             out = eval_step(variables, batch)
             totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     totals = jax.device_get(totals)
     return {"test_loss": float(totals["loss_sum"] / totals["count"]), "test_accuracy": float(totals["correct"] / totals["count"])}
-
-
-# ----------------------------------------------------------------------------- run control
-
-
-class _StopRequest:
-    """Set by SIGINT/SIGTERM; a second signal raises KeyboardInterrupt at once."""
-
-    def __init__(self):
-        self.signal: int | None = None
-
-    def __call__(self, signum, frame):
-        if self.signal is not None:
-            raise KeyboardInterrupt
-        self.signal = signum
-        metrics.say(f"{signal.Signals(signum).name}: stopping after the step in flight, then saving a checkpoint "
-                    "(an evaluation under way is dropped and redone by --resume; a second signal quits at once, "
-                    "without a checkpoint)")  # fmt: skip
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[_StopRequest]:
-    request = _StopRequest()
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield request
-        return
-    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield request
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 # ----------------------------------------------------------------------------- train_and_evaluate
@@ -224,6 +191,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     """
     started = time.perf_counter()
     saved = run_dir.read_saved(workdir)
+    # Evaluations the run already logged, read by every process before process 0 rewrites the log.
+    evaluated = {r["step"] for r in _records(workdir) if r.get("kind") == "eval"} if config.resume else set()
     if not config.resume and run_dir.latest_checkpoint_step(workdir) is not None:
         raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
     if config.resume and saved is not None:
@@ -267,6 +236,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     if config.resume and checkpoints.latest_step() is not None:
         state = checkpoints.restore(state)
     start_step = int(state["step"])
+    sharding.sync_processes("read the workdir")  # before process 0 rewrites metrics.jsonl and config.json
     log = metrics.MetricsLog(workdir, keep_until_step=start_step if config.resume else None)
     batch_struct = {
         "image": jax.ShapeDtypeStruct(image_shape, jnp.float32, sharding=sharding.batch_sharding(mesh)),
@@ -310,25 +280,27 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     result: dict[str, Any] = {"memory": memory}
     interval: list[dict] = []  # metrics of the steps since the last record
     timer = metrics.StepTimer()
-    evaluated = {r["step"] for r in run_dir.read_records(workdir) if r.get("kind") == "eval"}
     eval_batches = math.ceil(len(test_data) / config.eval_batch_size)
 
     def eval_due(step: int) -> bool:
         return step % steps_per_epoch == 0 or step == stop_step
 
-    def run_eval(step: int, stop: _StopRequest) -> None:
+    def run_eval(step: int, stop: stopping.StopRequest) -> bool:
+        """Evaluate and log; True when a stop was requested (the evaluation may have been dropped)."""
         test_batches = data.eval_batches(test_data, config.eval_batch_size, image_size=crop)
         scores = evaluate(eval_step, model_variables(state), test_batches, mesh, eval_batches, stop)
         if scores is not None:
             result["eval"] = {"kind": "eval", "step": step, "epoch": step / steps_per_epoch, **scores}
             log(result["eval"])
+        return stop.agreed() is not None
 
     step = start_step
-    with _stop_on_signals() as stop, contextlib.closing(_batches_from(step, steps_per_epoch, train_data, config, crop, mesh)) as batches, \
-            tqdm(total=stop_step, initial=start_step, unit="step", desc="training", disable=None) as bar:  # fmt: skip
+    with stopping.stop_on_signals() as stop, contextlib.closing(_batches_from(step, steps_per_epoch, train_data, config, crop, mesh)) as batches, \
+            tqdm(total=stop_step, initial=start_step, unit="step", desc="training", disable=_quiet()) as bar:  # fmt: skip
+        signalled = False
         if start_step > 0 and eval_due(start_step) and start_step not in evaluated:  # stopped during that evaluation
-            run_eval(start_step, stop)
-        while step < stop_step and stop.signal is None:
+            signalled = run_eval(start_step, stop)
+        while step < stop_step and not signalled:
             level = warmup_fraction(step, warmup_steps=warmup_steps)
             if level not in train_steps:
                 train_steps[level] = compile_step(level)
@@ -343,26 +315,42 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
                 timer.steps += 1
             bar.set_postfix(loss=f"{interval[-1]['loss']:.3f}", images_per_s=f"{timer.images_per_s(config.batch_size):.0f}", refresh=False)
             bar.update(1)
-            if step % config.log_every == 0 or eval_due(step) or stop.signal is not None:
+            signalled = stop.agreed() is not None
+            if step % config.log_every == 0 or eval_due(step) or signalled:
                 result["train"] = metrics.train_record(interval, timer, step, steps_per_epoch, config.batch_size)
                 log(result["train"])
                 interval = []
-            if step % config.checkpoint_every == 0 or step == stop_step or stop.signal is not None:
+            if step % config.checkpoint_every == 0 or step == stop_step or signalled:
                 checkpoints.save(step, state)
-            if eval_due(step) and stop.signal is None:
-                run_eval(step, stop)
+            if eval_due(step) and not signalled:
+                signalled = run_eval(step, stop)
             if not interval:  # a record was written: time from here, without logging/saving/eval
                 timer.restart()
     checkpoints.save(step, state)
     checkpoints.close()
-    if stop.signal is not None:
-        metrics.say(f"stopped by {signal.Signals(stop.signal).name} at step {step}; continue with --resume")
-    result.update(step=step, stopped_by=stop.signal)
+    stopped_by = stop.agreed()
+    if stopped_by is not None:
+        metrics.say(f"stopped by {signal.Signals(stopped_by).name} at step {step}; continue with --resume")
+    result.update(step=step, stopped_by=stopped_by)
+    if jax.process_index() != 0:  # the records are process 0's
+        return {**result, "summary": None}
     result["summary"] = metrics.run_summary(
-        workdir, run_dir.read_records(workdir), step=step, stop_step=stop_step, stopped_by=stop.signal,
+        workdir, run_dir.read_records(workdir), step=step, stop_step=stop_step, stopped_by=stopped_by,
         wall_time_s=time.perf_counter() - started, checkpoint=os.path.join(run_dir.checkpoint_dir(workdir), str(step)),
     )  # fmt: skip
     return result
+
+
+def _quiet() -> bool | None:
+    """tqdm's ``disable``: progress bars on process 0 only, where there is a terminal (None: tqdm decides)."""
+    return None if jax.process_index() == 0 else True
+
+
+def _records(workdir: str) -> list[dict[str, Any]]:
+    try:
+        return run_dir.read_records(workdir)
+    except FileNotFoundError:
+        return []
 
 
 def _batches_from(step: int, steps_per_epoch: int, train_data: data.ArrayDataset, config: TrainConfig, crop, mesh) -> Iterator[dict]:

@@ -114,7 +114,10 @@ class MetricsLog:
 
 
 def say(text: str) -> None:
-    """Print a line above the progress bar, flushed at once (logs redirected to files stay current)."""
+    """Print a line above the progress bar, flushed at once (logs redirected to files stay current);
+    process 0 only, in a run over several processes."""
+    if jax.process_index() != 0:
+        return
     tqdm.write(text)
     sys.stdout.flush()
 

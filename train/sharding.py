@@ -18,12 +18,30 @@ BatchNorm (ResNet). Each device normalises with its own shard's batch statistics
 ``axis_name``, as in single-device training at ``B / n``); the updated running averages are
 ``pmean``-ed with the gradients, so the replicated ``batch_stats`` are the mean of the devices'.
 
-Multi-host. Call ``jax.distributed.initialize()`` (coordinator address, process count and id from
-the cluster environment or arguments) before anything else touches JAX; ``jax.devices()`` then
-lists every device of every host and the mesh spans them all. Every process iterates the same
-deterministic global batches (same seed, epoch, step) and contributes its own rows,
-``local_rows``, which ``jax.make_array_from_process_local_data`` assembles into the global array.
-Checkpoints are written collectively by Orbax to a directory all hosts can see.
+Several processes (hosts, or processes on one machine). ``python -m train.cifar --coordinator
+HOST:PORT --num-processes N --process-id I`` (``train.config.Processes``) makes ``join_processes``
+call ``jax.distributed.initialize`` before anything starts JAX's backends; ``jax.devices()`` then
+lists every device of every process, the mesh spans them all, and cross-process collectives run
+over JAX's default CPU implementation (gloo in jax 0.10; NCCL on GPU). Every process iterates the
+same deterministic global batches (same seed, epoch, step) and contributes its own rows,
+``local_rows``, which ``jax.make_array_from_process_local_data`` assembles into the global array,
+so the run computes what one process with all the devices computes. Process 0 writes
+``metrics.jsonl``, ``config.json`` and the output; Orbax writes checkpoints collectively to a
+directory every process sees. Whatever changes the program's path (a stop signal, the workdir's
+records) is agreed by all processes, since a collective that only some of them enter never returns.
+
+Why the loop keeps its own ``shard_map`` rather than ``jax.jit`` over sharded batches with the
+library's per-op ``bsr_jax.sharding.map_row_shards``. The per-op mechanism would give the same
+pruning (each device ranks its own rows) and the same gradients at sparsity 0, but not the same
+training: BatchNorm under a plain ``jit`` normalises with statistics of the global batch (XLA
+all-reduces them), a different model from the per-device statistics above, which the runs in
+``runs/`` and their resumes were trained with; stochastic pruning would fold its key per op with the
+row shard instead of once per device here, so the random draws and the results would change too;
+and ResMLP's patch reshape does not compile under Explicit mesh axes (docs/sharding.md). The
+``shard_map`` is also the whole of this module's work: one function, no per-op configuration, and
+the loss, accuracy and BatchNorm statistics are averaged by one explicit ``pmean``. So the per-op
+mechanism serves models run under a user's ``jit``; the loop stays as it is, and every op inside
+it runs on its local shard unchanged (``map_row_shards`` sees manual axes and steps aside).
 """
 
 from __future__ import annotations
@@ -33,9 +51,25 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from train.config import Processes
+
 DATA_AXIS = "data"
+
+
+def join_processes(processes: Processes) -> None:
+    """Join a run over ``processes.num_processes`` processes (a no-op for one): call before
+    anything starts JAX's backends (a ``jax.devices()``, a first array)."""
+    if processes.num_processes > 1:
+        jax.distributed.initialize(processes.coordinator, processes.num_processes, processes.process_id)
+
+
+def sync_processes(name: str) -> None:
+    """Wait until every process has reached the ``sync_processes(name)`` call (no-op for one)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:

@@ -1,0 +1,59 @@
+"""Stopping a run on SIGINT/SIGTERM after the step in flight, at the same step on every process.
+
+``stop_on_signals()`` installs the handlers for the duration of a run and yields a ``StopRequest``;
+the loop asks ``request.agreed()`` after each step (and each evaluation batch) and, once it answers
+a signal, saves a checkpoint and stops. With several processes the answer is the same on all of
+them (any process's signal stops every one): each process must take the same path through the
+collectives of the steps, evaluations and checkpoints, or the others wait forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from train import metrics
+
+
+class StopRequest:
+    """Set by SIGINT/SIGTERM; a second signal raises KeyboardInterrupt at once."""
+
+    def __init__(self):
+        self.signal: int | None = None  # this process's, as received
+
+    def agreed(self) -> int | None:
+        """The signal that stops the run, or None, agreed by all processes: call it at the same
+        points on every process (with several, it is a small all-gather)."""
+        if jax.process_count() == 1:
+            return self.signal
+        # Only the gathered values decide, so a signal arriving during the gather is seen by every
+        # process at the next call, not by this one alone now.
+        return int(np.max(multihost_utils.process_allgather(np.int32(self.signal or 0)))) or None
+
+    def __call__(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        metrics.say(f"{signal.Signals(signum).name}: stopping after the step in flight, then saving a checkpoint "
+                    "(an evaluation under way is dropped and redone by --resume; a second signal quits at once, "
+                    "without a checkpoint)")  # fmt: skip
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield request
+        return
+    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield request
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
