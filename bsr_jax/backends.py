@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
+from bsr_jax import sharding
 from bsr_jax.format import BlockSparse
 from bsr_jax.pallas_backend import pallas_dw
 from bsr_jax.xla_backend import xla_dw
@@ -70,4 +71,5 @@ def resolve_backend(name: str | None) -> str:
 
 
 def dw_from_blocks(bsr: BlockSparse, dy: jax.Array, backend: str) -> jax.Array:
-    return BACKENDS[backend](bsr, dy)
+    # Under a mesh, per shard of dy's columns where XLA partitions them (bsr_jax.sharding).
+    return sharding.per_column_shard(BACKENDS[backend], bsr, dy)

@@ -15,11 +15,14 @@ computation in ``jax.shard_map``, so that:
   output features): an all-reduce or reduce-scatter of dW only, never a gather of x, dy or blocks.
 
 Which mesh axes split the rows. Explicit axes (``jax.make_mesh``'s default): read from the types,
-``jax.typeof(x).sharding.spec``. Auto axes carry no placement while tracing, so the op assumes x's
-leading axis is split over the mesh's only axis, or over the axes named by ``batch_axes(...)``
-around the tracing (several Auto axes and no declaration is an error). A mesh mixing Auto and
-Explicit axes is not supported. Inside an existing ``shard_map`` (``train``'s loop) the manual
-axes are already local and the op runs unchanged. See docs/sharding.md.
+``jax.typeof(x).sharding.spec``; every Explicit axis goes manual inside the op. Auto axes carry no
+placement while tracing, so the op assumes x's leading axis is split over the mesh's only axis, or
+over the axes named by ``batch_axes(...)`` around the tracing (several Auto axes and no
+declaration is an error). Only those go manual: the other Auto axes stay Auto inside the op, so
+XLA's partitioner keeps a kernel split over them, and ``per_column_shard`` runs the opaque dW
+kernels per shard of dy's columns (which needs ``jax.set_mesh(mesh)`` around the step). A mesh
+mixing Auto and Explicit axes is not supported. Inside an existing ``shard_map`` (``train``'s loop)
+the manual axes are already local and the op runs unchanged. See docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import jax
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 Labels = tuple[str, ...]
@@ -154,6 +158,14 @@ def map_row_shards(
                     used.update(axes)
     else:
         row_axes = _auto_row_axes(mesh)
+        left_to_xla = sorted(set(candidates) - set(row_axes))
+        if left_to_xla and jax.sharding.get_abstract_mesh().empty:
+            # per_column_shard's custom_partitioning lowers inside shard_map only on a concrete
+            # mesh (jax 0.10), which shard_map takes from jax.set_mesh: the types carry none.
+            raise ValueError(
+                f"bsr_jax ops on a mesh whose Auto axes {left_to_xla} do not split the batch need the mesh set "
+                "while tracing and compiling: run the jitted step inside `with jax.set_mesh(mesh):`"
+            )
         assigned = {label: () for _, labels in labelled for label in labels}
         assigned[x_labels[0]] = row_axes
     spec = lambda labels: PartitionSpec(*(_entry(assigned.get(label, ())) for label in labels))
@@ -161,10 +173,9 @@ def map_row_shards(
     summed = tuple(a for label in sorted(in_labels - set(out_labels)) for a in assigned[label])
     param_names = {label for labels in param_labels for label in labels}
     row_axes = tuple(a for label in x_labels if label not in param_names for a in assigned[label])
-    # Every free axis goes manual: under a partly manual shard_map some jax.numpy ops of the
-    # compression (searchsorted) fail to trace in jax 0.10, so Auto axes other than the batch's are
-    # replicated inside (a kernel split over them is gathered: use Explicit axes for tensor parallel).
-    manual = frozenset(candidates)
+    # Under Auto axes only the rows' axes go manual: the others stay Auto inside, so XLA's
+    # partitioner keeps a kernel split over them (tensor parallel) without gathering it.
+    manual = frozenset(candidates) if explicit else frozenset(row_axes)
     if explicit:
         # Explicit types must match the specs on entry; a reshard of a parameter (never of x, whose
         # own placement defines the specs) is the FSDP / disagreeing-axes gather.
@@ -195,3 +206,46 @@ def compress_rows(compress: Callable[[jax.Array, jax.Array | None], Any], x: jax
         key=key, whole=frozenset({"k"}),
     )
 
+
+
+def _free_auto_axes() -> tuple[str, ...]:
+    """Auto axes (of size > 1) of the mesh being traced that are not manual: XLA partitions over them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto and mesh.shape[n] > 1)
+
+
+def per_column_shard(fn: Callable[..., jax.Array], *operands: Any) -> jax.Array:
+    """``fn(*operands)``: a 2-D ``(R, N)`` result whose columns are those of the last operand, a 2-D
+    ``(M, N)`` array (dy of a weight gradient), computed on each device's shard of those columns.
+
+    Inside ``map_row_shards`` on an Auto mesh, axes other than the rows' are left to XLA's
+    partitioner, which cannot look into an opaque kernel (the CPU custom call, a Pallas call) and
+    would gather its operands. Here the partitioner is told (``custom_partitioning``) that the
+    result's columns follow dy's and that every other operand (pytrees allowed: the kept blocks) is
+    whole, so a dy split over an Auto axis (tensor parallel) stays split and the kernel runs per
+    shard. Elsewhere (no free Auto axis) it is ``fn(*operands)``.
+    """
+    if not _free_auto_axes():
+        return fn(*operands)
+    leaves, tree = jax.tree.flatten(operands)
+    dy = leaves[-1]
+    if dy.ndim != 2:
+        raise ValueError(f"per_column_shard needs a 2-D last operand (M, N), got shape {dy.shape}")
+    flat_fn = lambda *leaves: fn(*jax.tree.unflatten(tree, leaves))
+    partitioned = custom_partitioning(flat_fn)
+    # Every factor but dy's columns (n) needs replication; r (the result's rows) is the result's own.
+    names = [[f"a{i}_{d}" for d in range(leaf.ndim)] for i, leaf in enumerate(leaves[:-1])]
+    rule = ", ".join([" ".join(n) for n in names] + ["m n"]) + " -> r n"
+    whole = tuple(n for group in names for n in group) + ("m",)
+
+    def partition(mesh, arg_shapes, result_shape):
+        shardings = tuple(a.sharding for a in arg_shapes)
+        return mesh, flat_fn, shardings[-1], shardings
+
+    partitioned.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: arg_shapes[-1].sharding,
+        sharding_rule=rule,
+        need_replication_factors=whole,
+    )
+    return partitioned(*leaves)

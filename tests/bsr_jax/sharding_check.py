@@ -93,14 +93,19 @@ def main() -> int:
     # 2. (data, model): kernel split along its outputs (tensor parallel), dW stays split; rows over data.
     hlo = check_linear(grid, P("data"), P(None, "model"), shards=2, dy_spec=P("data", None, "model"))
     assert not gathered_shapes(hlo), gathered_shapes(hlo)
-    # Auto axes: the batch axis must be declared; the kernel is gathered (documented).
+    # Auto axes: the batch axis must be declared and the mesh set; "model" stays Auto inside the
+    # op, so the kernel and dy stay split over it (the dW kernel runs per column shard).
     x, w, dy = inputs()
-    try:
-        grads(x, w, dy)[0](jax.device_put(x, NamedSharding(auto_grid, P("data"))), jax.device_put(w, NamedSharding(auto_grid, P())), dy)
-        raise AssertionError("several Auto axes without batch_axes must raise")
-    except ValueError as e:
-        assert "batch_axes" in str(e), e
-    check_linear(auto_grid, P("data"), P(), shards=2, declare=True)
+    for context, message in ((contextlib.nullcontext(), "batch_axes"), (sharding.batch_axes("data"), "set_mesh")):
+        try:
+            with context:
+                grads(x, w, dy)[0](jax.device_put(x, NamedSharding(auto_grid, P("data"))), jax.device_put(w, NamedSharding(auto_grid, P())), dy)
+            raise AssertionError(f"several Auto axes without {message} must raise")
+        except ValueError as e:
+            assert message in str(e), e
+    with jax.set_mesh(auto_grid):
+        hlo = check_linear(auto_grid, P("data"), P(None, "model"), shards=2, declare=True, dy_spec=P("data", None, "model"))
+    assert not gathered_shapes(hlo), gathered_shapes(hlo)
 
     # 3. FSDP: kernel split over the batch axis; only the kernel is gathered, dW comes back split.
     hlo = check_linear(grid, P("data"), P("data", "model"), shards=2, dy_spec=P("data", None, "model"))
