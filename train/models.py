@@ -18,7 +18,8 @@ temporaries of erf; the dense and sparse models share this, so their memory diff
 linear layers' residuals.
 
 ``create_model(config, num_classes)`` builds the model a ``TrainConfig`` names: this ResMLP, or
-``train.resnet.ResNet`` with every convolution compressed as ``conv_compression`` says.
+``train.resnet.ResNet`` with every convolution compressed as ``conv_compression`` says (through
+``bsr_jax.compress_model``, so BatchNorm and ReLU keep less too).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import bsr_jax
 from train.config import POOLING_FACTORS, TrainConfig
 from train.resnet import PRESETS as RESNET_PRESETS
-from train.resnet import ResNet, conv_def
+from train.resnet import ResNet, compression_rules
 
 ModuleDef = Any
 
@@ -194,14 +195,17 @@ def config_pruning(config: TrainConfig, level: float = 1.0) -> bsr_jax.Pruning:
 def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> ResMLP | ResNet:
     """The model of ``config``. ResMLP: blocks' linears pruned at ``level * config.sparsity``
     (``level`` follows the sparsity warmup), stem/head and Affine/LayerScale optionally. ResNet:
-    every convolution compressed by ``conv_compression``, the classifier dense; the 3x3 stem for
-    images up to 64 px, the ImageNet stem above."""
+    the 3x3 stem for images up to 64 px, the ImageNet stem above; with a ``conv_compression``,
+    ``bsr_jax.compress_model`` of it: every convolution compressed, the classifier dense, and lean
+    neighbours (BatchNorm keeps its input, ReLU a 1-bit mask: forward and dx stay exact). Without
+    one, the plain model: the baseline residual memory is compared to."""
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else None
     if config.model in RESNET_PRESETS:
         stem = "cifar" if config.image_size <= 64 else "imagenet"
-        conv = conv_def(conv_compression(config, level))
         filters = {} if config.dim is None else {"num_filters": config.dim}
-        return ResNet(num_classes=num_classes, stem=stem, conv=conv, dtype=dtype, **filters, **RESNET_PRESETS[config.model])
+        model = ResNet(num_classes=num_classes, stem=stem, dtype=dtype, **filters, **RESNET_PRESETS[config.model])
+        compression = conv_compression(config, level)
+        return model if compression is None else bsr_jax.compress_model(model, compression_rules(compression))
     preset = dict(PRESETS[config.model])
     preset.update({k: v for k, v in (("dim", config.dim), ("depth", config.depth)) if v is not None})
     pruning = config_pruning(config, level)

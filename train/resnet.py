@@ -1,10 +1,18 @@
 """ResNet v1.5 (He et al. 2016; stride on the 3x3 conv of the bottleneck) in Flax linen.
 
 The shape of flax's ``examples/imagenet/models.py``: blocks take their convolution and norm as
-``ModuleDef``s (``functools.partial``s), so ``conv=conv_def(bsr_jax.Pooling(2))`` (or
-``bsr_jax.Pruning``) compresses every convolution's input for the backward pass while the forward
-pass stays exactly that of ``nn.Conv``. ``stem="cifar"`` swaps the ImageNet stem (7x7 stride-2
-conv and 3x3 stride-2 max-pool) for one 3x3 stride-1 conv, the usual variant for 32 px images.
+``ModuleDef``s (``functools.partial``s). Two ways to compress every convolution's input for the
+backward pass while the forward pass stays exactly that of ``nn.Conv``:
+
+* ``bsr_jax.compress_model(ResNet18(...), compression_rules(bsr_jax.Pooling(2)))`` (what
+  ``train.models.create_model`` builds): the plain model, routed, with lean neighbours (BatchNorm
+  keeps its input, ReLU a 1-bit mask; exact), so a ResNet keeps about a third of its dense
+  residual bytes instead of 0.84 (docs/RESULTS.md section 8);
+* ``conv=conv_def(bsr_jax.Pooling(2))`` (or ``bsr_jax.Pruning``): the convolutions alone; BatchNorm
+  and ReLU keep what plain autodiff keeps.
+
+``stem="cifar"`` swaps the ImageNet stem (7x7 stride-2 conv and 3x3 stride-2 max-pool) for one 3x3
+stride-1 conv, the usual variant for 32 px images.
 
 BatchNorm runs on the ``batch_stats`` collection: ``apply(variables, x, train=True,
 mutable=["batch_stats"])`` in training, ``train=False`` for evaluation (running averages).
@@ -25,6 +33,16 @@ import bsr_jax
 ModuleDef = Any
 Stem = Literal["imagenet", "cifar"]
 STEMS = ("imagenet", "cifar")
+
+
+# Flax's automatic name of the classifier (ResNet's one ``dense`` call; nn.Dense -> "Dense_0").
+CLASSIFIER_PATH = "Dense_0"
+
+
+def compression_rules(compression: bsr_jax.Pooling | bsr_jax.Pruning) -> list[bsr_jax.Rule]:
+    """``bsr_jax.compress_model`` rules for a ``ResNet``: every convolution keeps ``compression``
+    of its input, the classifier stays dense (a ``Pooling`` rule would not apply to it anyway)."""
+    return [bsr_jax.Rule(CLASSIFIER_PATH, None), bsr_jax.Rule("*", compression)]
 
 
 def conv_def(compression: bsr_jax.Pooling | bsr_jax.Pruning | None = None) -> ModuleDef:

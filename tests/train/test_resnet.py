@@ -1,5 +1,7 @@
 """ResNet v1.5 presets: exact parameter counts, output shapes, one training step with compression."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -117,19 +119,53 @@ def test_pooled_convs_keep_fewer_residual_bytes():
     assert activations(bsr_jax.Pooling(factor=2)) < 0.9 * activations(None)
 
 
+def _plan(model, images):
+    """{compression: number of layers} that ``model``'s forward pass compresses (traced)."""
+    from train.models import predict
+
+    variables = jax.eval_shape(model.init, jax.random.key(0), images)
+    plan = bsr_jax.pruning_plan(lambda v, x: predict(model, v, x), variables, images)
+    return {c: sum(layer.compression == c for layer in plan) for c in {layer.compression for layer in plan}}
+
+
 def test_create_model_from_flags():
     from train.config import TrainConfig
     from train.models import create_model
 
-    def conv_compression_and_stem(**flags):
-        model = create_model(TrainConfig(model="resnet18", **flags), 10)
-        return model.conv.keywords["compression"], model.stem
-
-    assert conv_compression_and_stem() == (None, "cifar")
-    assert conv_compression_and_stem(compression="pool4", storage_dtype="int8") == (bsr_jax.Pooling(4, "int8"), "cifar")
+    small = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+    model = lambda **flags: create_model(TrainConfig(model="resnet18", dim=8, **flags), 10)
+    # ResNet-18: the stem, 2 convs in each of 8 blocks, 3 projection shortcuts; the classifier stays dense.
+    assert model().stem == "cifar" and _plan(model(), small) == {}
+    assert _plan(model(compression="pool4", storage_dtype="int8"), small) == {bsr_jax.Pooling(4, "int8"): 20}
     pruning = bsr_jax.Pruning(0.7, block=8, criterion="l1")
-    assert conv_compression_and_stem(sparsity=0.7, block=8, criterion="l1", image_size=224) == (pruning, "imagenet")
+    large = model(sparsity=0.7, block=8, criterion="l1", image_size=224)
+    assert large.stem == "imagenet" and _plan(large, jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)) == {pruning: 20}
     assert create_model(TrainConfig(model="resnet50", dim=16), 10).num_filters == 16
+
+
+def test_created_resnet_keeps_the_lean_figure():
+    """``--compression pool2`` trains the plain ResNet through ``compress_model``: BatchNorm keeps
+    its input and ReLU a 1-bit mask, so the step keeps about a third of the dense residual bytes
+    (0.32 in docs/RESULTS.md section 8) where pooled convolutions alone keep 0.84. (That the
+    routed ResNet-18's forward and dx are the dense model's: tests/bsr_jax/test_compress.py.)"""
+    from train.config import TrainConfig
+    from train.loop import loss_function
+    from train.models import create_model
+
+    config = TrainConfig(model="resnet18", dim=8, compression="pool2")
+    pooled, dense = create_model(config, 10), create_model(dataclasses.replace(config, compression=None), 10)
+    images = jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32)
+    variables = jax.eval_shape(dense.init, jax.random.key(1), images)
+    assert jax.eval_shape(pooled.init, jax.random.key(1), images) == variables
+    labels = jnp.arange(8) % 10
+
+    def kept(model):
+        loss_fn = loss_function(model, 10, 0.1)
+        loss = lambda p, x, stats: loss_fn(p, {"image": x, "label": labels}, None, stats)[0]
+        counted = bsr_jax.residual_bytes(loss, variables["params"], images, variables["batch_stats"])
+        return counted.activations + counted.inputs
+
+    assert kept(pooled) <= 0.40 * kept(dense)
 
 
 DATA_PARALLEL_SCRIPT = """
