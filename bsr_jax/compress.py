@@ -20,9 +20,13 @@ DenseGeneral with batch dims, non-float inputs, products that are not a plain li
 ``nn.ConvLocal``/``nn.ConvTranspose``/``nn.Einsum``, and ``Pooling`` rules on layers that are not convolutions.
 
 NNX: the matching ``nnx.Linear`` / ``nnx.LinearGeneral`` modules of the (in place) returned model
-get a compressing ``dot_general`` and, with ``lean``, the root's ``__call__`` runs inside
-``lean_neighbours``; parameters and ``nnx.split``/``merge``/``jit``/``grad`` are unchanged.
-Shared-input residuals and stochastic options need the linen path (no rng stream there).
+get a compressing ``dot_general``, the matching ``nnx.Conv`` modules (and subclasses) a
+compressing ``conv_general_dilated`` (the same stand-in as linen's: forward bit-identical, dx and db
+exact), and, with ``lean``, the root's ``__call__`` runs inside ``lean_neighbours``; parameters and
+``nnx.split``/``merge``/``jit``/``grad`` are unchanged. Reported and left dense: convs with their
+own ``conv_general_dilated``, ``nnx.ConvTranspose``, ``Pooling`` rules on linear layers, calls with
+an ``out_sharding``. Shared-input residuals and stochastic options need the linen path (no rng
+stream there).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from jax import lax
 
 from bsr_jax import lean as lean_ops
 from bsr_jax import rules as rules_lib
+from bsr_jax import sharding
 from bsr_jax.conv import Conv, channels_last_dimension_numbers, compressed_conv
 from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.layers import PrunedModule
@@ -52,6 +57,8 @@ ROUTED_LINEN_CONV = nn.Conv  # and subclasses; bsr_jax.Conv resolves its rule it
 # jnp.einsum directly) or a product other than the plain one (local / transposed convolutions).
 REPORTED_LINEN = (nn.ConvLocal, nn.ConvTranspose, nn.Einsum)
 ROUTED_NNX = (nnx.Linear, nnx.LinearGeneral)
+ROUTED_NNX_CONV = nnx.Conv  # and subclasses
+REPORTED_NNX = nnx.ConvTranspose  # a transposed product: no compressed op for it
 
 
 @dataclasses.dataclass
@@ -67,8 +74,10 @@ class _SharedBlocks:
         cache_key = (id(source), str(x.dtype), pruning)
         entry = self.cache.get(cache_key)
         if entry is None or entry[0] is not source:
-            flat = x.reshape(-1, x.shape[-1])
-            entry = self.cache[cache_key] = (source, pruning.compress(jax.lax.stop_gradient(flat), key))
+            flat = jax.lax.stop_gradient(x.reshape(-1, x.shape[-1]))
+            # Under a mesh, per shard of the rows (as each op compresses its own): the blocks stay
+            # on the devices owning the rows, and pruned_dot_general takes them shard by shard.
+            entry = self.cache[cache_key] = (source, sharding.compress_rows(pruning.compress, flat, key))
         return entry[1]
 
 
@@ -96,13 +105,15 @@ def _compressing_conv(compression: rules_lib.Compression, key: jax.Array | None,
 
     def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                              dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
-                             preferred_element_type=None):  # fmt: skip
+                             preferred_element_type=None, out_sharding=None):  # fmt: skip
         call = dict(lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
                     feature_group_count=feature_group_count, batch_group_count=batch_group_count, precision=precision,
-                    preferred_element_type=preferred_element_type)  # fmt: skip
+                    preferred_element_type=preferred_element_type, out_sharding=out_sharding)  # fmt: skip
         dims = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
         floats = all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)) and lhs.dtype == rhs.dtype
-        if dims != channels_last_dimension_numbers(lhs.ndim) or batch_group_count != 1 or preferred_element_type is not None or not floats:
+        # nnx.Conv always passes out_sharding (None unless the caller asks for an output sharding).
+        plain = batch_group_count == 1 and preferred_element_type is None and out_sharding is None
+        if dims != channels_last_dimension_numbers(lhs.ndim) or not plain or not floats:
             rules_lib.report_dense(path, f"conv_general_dilated on {lhs.dtype}/{rhs.dtype} with {call} is not a plain "
                                    "channels-last convolution of one float dtype")  # fmt: skip
             return lax.conv_general_dilated(lhs, rhs, window_strides, padding, **call)
@@ -180,11 +191,26 @@ def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool) -> 
     return cls(**fields)
 
 
+def _route_nnx_module(module: nnx.Module, compression: rules_lib.Compression, name: str) -> None:
+    """Give one matched NNX layer its compressing product, or report why it stays dense."""
+    if isinstance(module, REPORTED_NNX):
+        rules_lib.report_dense(name, f"{type(module).__name__} is not routed (nnx.Linear, nnx.LinearGeneral, nnx.Conv and subclasses are)")
+    elif isinstance(module, ROUTED_NNX_CONV):
+        if module.conv_general_dilated is not lax.conv_general_dilated:
+            rules_lib.report_dense(name, "the module has its own conv_general_dilated")
+        else:
+            module.conv_general_dilated = _compressing_conv(compression, None, name)
+    elif not isinstance(compression, Pruning):
+        rules_lib.report_dense(name, f"{type(module).__name__} is not a convolution, and Pooling compresses convolution inputs only")
+    else:
+        module.dot_general = _compressing_dot_general(compression, None, None, name)
+
+
 def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx.Module:
     matched: set[int] = set()
     patterns = [rule.pattern for rule in rules]
     for path, module in nnx.iter_modules(model):
-        if not isinstance(module, ROUTED_NNX):
+        if not isinstance(module, (*ROUTED_NNX, ROUTED_NNX_CONV, REPORTED_NNX)):
             continue
         name = "/".join(str(p) for p in path)
         i = rules_lib.first_match(patterns, name)
@@ -196,10 +222,10 @@ def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx
             continue
         if compression.needs_key:
             raise ValueError(f"{name}: stochastic pruning/rounding needs the linen path (NNX has no pruning rng here)")
-        module.dot_general = _compressing_dot_general(compression, None, None, name)
+        _route_nnx_module(module, compression, name)
     unmatched = [rules[i].pattern for i in range(len(rules)) if i not in matched]
     if unmatched:
-        raise ValueError(f"rule pattern(s) {unmatched} matched no nnx.Linear / nnx.LinearGeneral")
+        raise ValueError(f"rule pattern(s) {unmatched} matched no nnx.Linear / nnx.LinearGeneral / nnx.Conv")
     if lean:
         # NNX modules are called directly, outside any context of ours: the root's class becomes a
         # subclass whose __call__ runs inside lean_neighbours (split/merge keep the subclass).

@@ -19,6 +19,7 @@ sys.path[:0] = [os.path.dirname(TESTS)]  # the repository's bsr_jax before tests
 sys.path.append(TESTS)  # tests/reference.py
 
 import chex  # noqa: E402
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -140,6 +141,26 @@ def main() -> int:
         raise AssertionError("globally compressed blocks must be refused under a mesh")
     except ValueError as e:
         assert "compress_rows" in str(e) or "row_stacked" in str(e), e
+
+    # 5b. compress_model: q, k and v reading one x share blocks made per shard (compress_rows).
+    class QKV(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return tuple(nn.Dense(N, use_bias=False, name=name)(x) for name in "qkv")
+
+    model = bsr_jax.compress_model(QKV(), [bsr_jax.Rule("*", PRUNING)], lean=False)
+    params = model.init(jax.random.key(0), x)
+    dys = tuple(np.roll(dy, i, axis=0) for i in range(3))
+    run = jax.jit(lambda p, x, d: (lambda y, vjp: (y, *vjp(d)))(*jax.vjp(model.apply, p, x)))
+    args = (jax.tree.map(lambda a: place(a, P()), params), xs, tuple(place(d, P("data")) for d in dys))
+    ys, dparams, dx = run(*args)
+    kernels = [np.asarray(params["params"][name]["kernel"]) for name in "qkv"]
+    expected = [reference_grads(x, w_, d, 4) for w_, d in zip(kernels, dys)]
+    chex.assert_trees_all_close(
+        (tuple(np.asarray(y) for y in ys), np.asarray(dx), [np.asarray(dparams["params"][name]["kernel"]) for name in "qkv"]),
+        (tuple(e[0] for e in expected), sum(e[1] for e in expected), [e[2] for e in expected]), **TOL,
+    )
+    assert not gathered_shapes(run.lower(*args).compile().as_text())
 
     # 6. Inside an existing shard_map (train's loop) the op runs on the local rows unchanged.
     def local(x, w, dy):
