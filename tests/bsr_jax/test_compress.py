@@ -319,3 +319,101 @@ def test_einsum_is_reported_and_stays_dense():
     with pytest.warns(UserWarning, match="Einsum is not routed"):
         got = jax.grad(lambda p: jnp.sum(jnp.sin(compressed.apply(p, x))))(params)
     chex.assert_trees_all_equal(got, jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply(p, x))))(params))
+
+
+# ---- NNX convolutions ----
+
+NNX_CONV_CASES = [  # (strides, padding, kernel size, compression): stride 1 and 2, SAME/VALID/explicit, kernel 1 and 3
+    (1, "SAME", 3, bsr_jax.Pooling(2)),
+    (2, "VALID", 1, bsr_jax.Pooling(2)),
+    (2, ((1, 0), (2, 1)), 3, bsr_jax.Pooling(2)),
+    (1, "SAME", 3, Pruning(0.5, block=8)),
+    (2, "VALID", 1, Pruning(0.5, block=8)),
+]
+
+
+def _nnx_grads(model, x, c):
+    """(y, d kernel, d bias, dx) of ``vdot(model(x), c)``: linear, so dy = c wherever the conv runs."""
+    graph, state = nnx.split(model)
+    loss = lambda state, x: jnp.vdot(nnx.merge(graph, state)(x), c)
+    d_state, dx = jax.jit(jax.grad(loss, (0, 1)))(state, x)
+    return nnx.merge(graph, state)(x), d_state["kernel"][...], d_state["bias"][...], dx
+
+
+@pytest.mark.parametrize("strides,padding,kernel,compression", NNX_CONV_CASES)
+def test_nnx_conv_forward_bitwise_dx_exact_dw_at_the_compressed_input(strides, padding, kernel, compression):
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 16))
+    layer = nnx.Conv(16, 8, (kernel, kernel), strides=strides, padding=padding, rngs=nnx.Rngs(1))
+    layer.bias[...] = tpm.jitter(layer.bias[...])
+    params = nnx.state(layer, nnx.Param)
+    compressed = compress_model(nnx.clone(layer), [Rule("*", compression)], lean=False)
+    chex.assert_trees_all_equal(nnx.state(compressed, nnx.Param), params)
+    c = jax.random.normal(jax.random.key(2), layer(x).shape)
+    y, dw, db, dx = _nnx_grads(compressed, x, c)
+    y_dense, dw_dense, db_dense, dx_dense = _nnx_grads(layer, x, c)
+    chex.assert_trees_all_equal(y, y_dense)
+    chex.assert_trees_all_close(dx, dx_dense, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(db, db_dense, rtol=1e-6, atol=1e-6)
+    if isinstance(compression, bsr_jax.Pooling):
+        x_hat = _upsampled_pool2(x)
+    else:
+        x_hat = reference.kept_input(np.asarray(x, np.float64).reshape(-1, 16), 0.5, 8).reshape(x.shape)
+    # The exact gradient of the unmodified layer at the compressed input.
+    want = _nnx_grads(layer, jnp.asarray(x_hat, jnp.float32), c)[1]
+    chex.assert_trees_all_close(dw, want, rtol=1e-5, atol=1e-4)
+    assert not np.allclose(dw, dw_dense, rtol=1e-3)
+
+
+class _NnxConvNet(nnx.Module):
+    """conv -> BatchNorm (training mode) -> relu -> conv -> linear head, as an NNX user writes it."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(3, 16, (3, 3), rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.conv2 = nnx.Conv(16, 16, (3, 3), strides=2, rngs=rngs)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.conv2(nnx.relu(self.norm(self.conv1(x))))
+        return self.head(x.mean(axis=(1, 2)))
+
+
+def test_nnx_conv_net_pooled_with_lean_neighbours():
+    x = jax.random.normal(jax.random.key(0), (4, 16, 16, 3))
+    model = _NnxConvNet(nnx.Rngs(0))
+    compressed = compress_model(nnx.clone(model), [Rule("head", None), Rule("*", bsr_jax.Pooling(2))])
+
+    def loss_of(m):
+        graph, state = nnx.split(m)  # BatchNorm's statistics update stays inside the traced call
+        return lambda state, x: jnp.sum(nnx.merge(graph, state)(x) ** 2), state
+
+    def activation_bytes(m):
+        loss, state = loss_of(m)
+        r = bsr_jax.residual_bytes(loss, state, x)
+        return r.activations + r.inputs
+
+    # Pooled conv inputs (1/4), BatchNorm keeping its input only, ReLU a 1-bit mask.
+    assert activation_bytes(compressed) <= 0.45 * activation_bytes(model)
+    # Differentiated in the state too: lean NNX norms fail under a grad in x alone (flax's
+    # TraceContextError from the nnx.remat in bsr_jax.lean when the state is not differentiated).
+    value_and_dx = lambda m: jax.jit(jax.value_and_grad(loss_of(m)[0], argnums=(0, 1)))(loss_of(m)[1], x)
+    (value, (_, dx)), (dense_value, (_, dense_dx)) = value_and_dx(compressed), value_and_dx(model)
+    chex.assert_trees_all_equal(value, dense_value)
+    chex.assert_trees_all_close(dx, dense_dx, rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_layers_left_dense_are_reported():
+    x = jax.random.normal(jax.random.key(0), (2, 6, 6, 4))
+    rngs = nnx.Rngs(0)
+    for layer, compression, message in [
+        (nnx.Conv(4, 4, (3, 3), conv_general_dilated=lambda *a, **k: jax.lax.conv_general_dilated(*a, **k), rngs=rngs),
+         Pruning(0.7, block=2), "its own conv_general_dilated"),
+        (nnx.ConvTranspose(4, 4, (3, 3), rngs=rngs), Pruning(0.7, block=2), "ConvTranspose is not routed"),
+        (nnx.Linear(4, 4, rngs=rngs), bsr_jax.Pooling(2), "Pooling compresses convolution inputs only"),
+    ]:  # fmt: skip
+        want = jax.grad(lambda x: jnp.sum(jnp.sin(layer(x))))(x)
+        with pytest.warns(UserWarning, match=message):
+            compressed = compress_model(nnx.clone(layer), [Rule("*", compression)], lean=False)
+        chex.assert_trees_all_equal(jax.grad(lambda x: jnp.sum(jnp.sin(compressed(x))))(x), want)
+    with pytest.raises(ValueError, match=r"\['conv9'\] matched no nnx.Linear / nnx.LinearGeneral / nnx.Conv"):
+        compress_model(_NnxConvNet(rngs), [Rule("conv9", bsr_jax.Pooling(2))])
