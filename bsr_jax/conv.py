@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax.linen.linear import canonicalize_padding
 from jax import lax
 
-from bsr_jax import rules
+from bsr_jax import rules, sharding
 from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.pooling import PooledMap, Pooling
 from bsr_jax.rules import Compression
@@ -179,7 +179,22 @@ def compressed_conv(
     if compression is None or not compression.saves_memory(x):
         y = _conv(x, w, config)
     else:
-        y = _compressed_conv(x, w, key, config)
+
+        def local(x, params, key, _):
+            # Runs on each device's batch shard under a mesh (bsr_jax.sharding): compression and
+            # the reconstruction for dW see the local shape.
+            local_config = dataclasses.replace(config, input_shape=tuple(x.shape))
+            return _compressed_conv(x, params[0], key, local_config)
+
+        spatial = tuple(f"s{i}" for i in range(rank))
+        window = tuple(f"k{i}" for i in range(rank))
+        # Windows and channels need the whole map: only the batch (and, without feature groups,
+        # the kernel's output features) may be split.
+        whole = frozenset({*spatial, *window, "c"} | ({"f"} if feature_group_count > 1 else set()))
+        y = sharding.map_row_shards(
+            local, x, [w], x_labels=("n", *spatial, "c"), param_labels=[(*window, "c", "f")],
+            out_labels=("n", *spatial, "f"), key=key, whole=whole,
+        )  # fmt: skip
     if b is not None:
         y += jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
     return y

@@ -124,7 +124,9 @@ class Pooling:
     def saves_memory(self, x: jax.Array | jax.ShapeDtypeStruct) -> bool:
         """Whether ``compress(x)`` holds fewer bytes than ``x`` (where it does not, the ops keep
         ``x``: the exact dense residual, never a bigger one)."""
-        kept = jax.eval_shape(self.compress, x)
+        # Shape and dtype only: under Explicit mesh axes x's type also carries a sharding, and the
+        # window reshape of a sharded batch does not trace outside the per-shard op.
+        kept = jax.eval_shape(self.compress, jax.ShapeDtypeStruct(x.shape, x.dtype))
         return kept.nbytes < math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
     def compress(self, x: jax.Array, key: jax.Array | None = None) -> PooledMap:

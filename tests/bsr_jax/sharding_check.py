@@ -2,12 +2,14 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/bsr_jax/sharding_check.py
 
-For data parallel (Explicit and Auto axes), a (data 2, model 2) mesh with the kernel split over
-"model" (tensor parallel) and an FSDP-split kernel: y and dx equal the dense ones, dW equals the
-sum over row shards of the independent float64 reference's per-shard masked product
-(``tests/reference.py``), dW keeps the kernel's sharding, and the compiled step has no all-gather
-(FSDP: only the kernel's). Also ``bsr_scale_shift``, ``compress_rows`` shared blocks, an op
-inside an existing ``shard_map``, and the Auto-axes error without ``batch_axes``.
+For data parallel (Explicit and Auto axes), (data 2, model 2) meshes with the kernel split over
+"model" (tensor parallel; Explicit, and Auto under ``jax.set_mesh``) and an FSDP-split kernel: y
+and dx equal the dense ones, dW equals the sum over row shards of the independent float64
+reference's per-shard masked product (``tests/reference.py``), dW keeps the kernel's sharding, and
+the compiled step has no all-gather (FSDP: only the kernel's). Also ``bsr_scale_shift``,
+``compress_rows`` shared blocks and ``compress_model``'s shared q/k/v blocks, an op inside an
+existing ``shard_map``, the Auto-axes errors without ``batch_axes`` / ``jax.set_mesh``, and
+``compressed_conv`` (dW against the single-device op per batch shard).
 """
 
 import contextlib
@@ -77,6 +79,40 @@ def check_linear(mesh, x_spec, w_spec, shards, declare=False, dy_spec=None):
 
 def gathered_shapes(hlo: str) -> list[str]:
     return [line.split("=")[1].split("all-gather")[0].strip() for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+
+
+def check_conv(data4, auto4, grid, auto_grid):
+    """compressed_conv: y and dx exact, dW the sum over batch shards of the single-device op on each
+    shard, nothing gathered; data parallel (Explicit, Auto) and a kernel split over its output
+    features on (data, model) meshes (Explicit, Auto)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_t(2, size=(8, 6, 6, 4)).astype(np.float32)
+    w = rng.normal(size=(3, 3, 4, 6)).astype(np.float32)
+    dy = rng.normal(size=(8, 3, 3, 6)).astype(np.float32)
+    for compression in (PRUNING, bsr_jax.Pooling(2)):
+        conv = lambda x, w: bsr_jax.compressed_conv(x, w, compression=compression, strides=2, padding="SAME")
+        run = jax.jit(lambda x, w, d: (lambda y, vjp: (y, *vjp(d)))(*jax.vjp(conv, x, w)))
+        exact = jax.vjp(lambda x, w: jax.lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")), x, w)
+        y_exact, dx_exact = exact[0], exact[1](dy)[0]
+        for mesh, w_spec, shards in ((data4, P(), 4), (auto4, P(), 4), (grid, P(None, None, None, "model"), 2), (auto_grid, P(None, None, None, "model"), 2)):
+            dw_shards = sum(run(xs_, w, dys_)[2] for xs_, dys_ in zip(np.split(x, shards), np.split(dy, shards)))
+            place = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+            dy_spec = P("data", None, None, "model") if "model" in mesh.axis_names else P("data")
+            args = (place(x, P("data")), place(w, w_spec), place(dy, dy_spec))
+            auto_2d = "model" in mesh.axis_names and mesh.axis_types[0] == AxisType.Auto
+            with _auto_2d(mesh) if auto_2d else contextlib.nullcontext():
+                compiled = run.lower(*args).compile()
+                y, dx, dw = compiled(*args)
+                hlo = compiled.as_text()
+            chex.assert_trees_all_close((np.asarray(y), np.asarray(dx), np.asarray(dw)), (y_exact, dx_exact, dw_shards), **TOL)
+            assert not gathered_shapes(hlo), (compression, mesh, gathered_shapes(hlo))
+
+
+@contextlib.contextmanager
+def _auto_2d(mesh):
+    # Several Auto axes: the batch's must be declared, and the mesh set (see bsr_jax.sharding).
+    with sharding.batch_axes("data"), jax.set_mesh(mesh):
+        yield
 
 
 def main() -> int:
@@ -171,6 +207,7 @@ def main() -> int:
     mapped = jax.jit(jax.shard_map(local, mesh=data4, in_specs=(P("data"), P(), P("data")), out_specs=P()))
     dw = mapped(xs, ws, place(dy, P("data")))
     chex.assert_trees_all_close(np.asarray(dw), reference_grads(x, w, dy, 4)[2], **TOL)
+    check_conv(data4, auto4, grid, auto_grid)
     print("4 devices: sharding checks passed")
     return 0
 
