@@ -1,0 +1,81 @@
+"""``python -m train.cifar`` over 2 processes x 2 host devices (``jax.distributed`` on localhost)
+computes what 1 process x 4 devices does; process 0 alone prints and writes the logs.
+
+The tolerances are benchmarks/multiprocess.py's: the two layouts prune the same per-device shards,
+and only the order in which the gradient all-reduce sums the devices' parts differs (float32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import chex
+import numpy as np
+import pytest
+
+from benchmarks.multiprocess import LOSS_TOLERANCE, STATE_TOLERANCE, TINY_RUN, final_state, launch, step_records
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """A CIFAR-10-style image folder of 32x32 PNGs: 40 train (5 steps of 8), 12 test."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("multiprocess_data")
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 40), ("test", 12)):
+        for i in range(count):
+            folder = root / "cifar10" / split / f"class{i % 10}"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
+    return root
+
+
+def run_both_layouts(image_folder, tmp_path, *extra: str):
+    """The same run as 1 process x 4 devices and 2 processes x 2 devices, side by side."""
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "TFDS_DATA_DIR": str(tmp_path / "tfds")}
+    env.pop("BSR_JAX_CACHE", None)
+
+    def run(layout: str):
+        processes, devices = map(int, layout.split("x"))
+        flags = ["--data-dir", str(image_folder), "--cache-dir", str(image_folder / "cache"),
+                 "--workdir", str(tmp_path / layout), *TINY_RUN, *extra]  # fmt: skip
+        return launch(["-m", "train.cifar", *flags], processes, devices, env=env, timeout_s=240)
+
+    with ThreadPoolExecutor(2) as pool:
+        single, multi = pool.map(run, ("1x4", "2x2"))
+    for done in (*single, *multi):
+        assert done.returncode == 0, done.stdout + done.stderr
+    return single, multi, tmp_path / "1x4", tmp_path / "2x2"
+
+
+def test_data_parallel_step_across_two_processes():
+    script = os.path.join(os.path.dirname(__file__), "multiprocess_check.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    processes = launch([script], num_processes=2, devices_per_process=2, env=env, timeout_s=240)
+    for index, done in enumerate(processes):
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"process {index}: all checks passed" in done.stdout
+
+
+@pytest.mark.slow  # 3 CLI runs side by side: about 50 s on 2 busy cores
+def test_two_processes_match_one_process_with_the_same_devices(image_folder, tmp_path):
+    (single,), (first, second), single_dir, multi_dir = run_both_layouts(image_folder, tmp_path, "--steps", "5")
+
+    records = [step_records(str(w)) for w in (single_dir, multi_dir)]
+    assert [(r["kind"], r["step"]) for r in records[1]] == [(r["kind"], r["step"]) for r in records[0]]
+    assert [r["step"] for r in records[1]] == [1, 2, 3, 4, 5, 5]  # every step logged, then the evaluation
+    numbers = [[{k: v for k, v in r.items() if k != "kind"} for r in rs] for rs in records]
+    chex.assert_trees_all_close(numbers[1], numbers[0], **LOSS_TOLERANCE)
+    chex.assert_trees_all_close(final_state(str(multi_dir)), final_state(str(single_dir)), **STATE_TOLERANCE)
+
+    # One config.json (process 0's), which counts the 4 devices of both processes.
+    assert (multi_dir / "config.json").read_text() == (single_dir / "config.json").read_text()
+    assert json.loads((multi_dir / "config.json").read_text())["run"]["devices"] == 4
+    assert os.listdir(multi_dir / "checkpoints") == ["5"]  # written once, collectively
+    # Process 0 prints the records and the summary; process 1 prints none of them.
+    assert "kind=eval" in first.stdout and f"run summary ({multi_dir})" in first.stdout
+    assert "kind=" not in second.stdout and "run summary" not in second.stdout, second.stdout
