@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from bsr_jax import sharding
+
 # STORAGE_DTYPES and quantize_blocks are also imported from here by callers of the first version.
 from bsr_jax.quantize import (  # noqa: F401
     STOCHASTIC_ROUNDING_DTYPES,
@@ -345,6 +347,9 @@ def _top_blocks(scores: jax.Array, capacity: int, selection: Selection, with_thr
     """Kept (row_ids, col_ids, col_ptr) by the largest ``scores (Kb, Mb)`` (non-negative, no NaN),
     grouped by column, and, if asked, the next-largest score (per column for ``"column"``; 0 where
     all blocks are kept). Ties go to the lower flat index ``col * Mb + row``, as in ``lax.top_k``."""
+    # Ranked whole on each device: under Auto mesh axes left to XLA, a split ranking would
+    # all-gather its intermediates piece by piece.
+    scores = sharding.whole_on_each_device(scores)
     kb, mb = scores.shape
     per_group = capacity if selection == "global" else capacity // kb
     grouped = scores.reshape(1, -1) if selection == "global" else scores  # the ranking runs along axis 1

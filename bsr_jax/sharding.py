@@ -214,6 +214,17 @@ def _free_auto_axes() -> tuple[str, ...]:
     return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto and mesh.shape[n] > 1)
 
 
+def whole_on_each_device(a: jax.Array) -> jax.Array:
+    """``a``, kept whole (replicated) over the Auto axes XLA partitions inside ``map_row_shards``.
+
+    For small per-shard computations with a global order (ranking block scores): left to XLA, they
+    are split over those axes and their pieces all-gathered step by step; replicated, each device
+    computes them whole (one gather of ``a`` at most, where ``a`` itself arrived split)."""
+    if not _free_auto_axes():
+        return a
+    return lax.with_sharding_constraint(a, PartitionSpec())
+
+
 def per_column_shard(fn: Callable[..., jax.Array], *operands: Any) -> jax.Array:
     """``fn(*operands)``: a 2-D ``(R, N)`` result whose columns are those of the last operand, a 2-D
     ``(M, N)`` array (dy of a weight gradient), computed on each device's shard of those columns.
