@@ -308,8 +308,9 @@ def test_resnet_compression_flags():
 
 
 def test_resnet18_pool2_smoke_run_carries_batch_stats(smoke_data, tmp_path):
-    """``--model resnet18 --compression pool2 --steps 2`` end to end (8 filters, batch 4), then
-    one resumed step: the checkpoints hold batch_stats, which training changed and evaluation used."""
+    """``--model resnet18 --compression pool2 --steps 2`` end to end (8 filters, batch 4): the
+    checkpoint holds batch_stats, which training changed and evaluation used (resuming restores the
+    state with the same ``Checkpoints.restore`` as below; resume itself is tested on ResMLP)."""
     workdir = tmp_path / "run"
     flags = ["--data-dir", str(smoke_data), "--cache-dir", str(smoke_data / "cache"), "--workdir", str(workdir),
              "--model", "resnet18", "--compression", "pool2", "--dim", "8", "--batch-size", "4",
@@ -340,6 +341,3 @@ def test_resnet18_pool2_smoke_run_carries_batch_stats(smoke_data, tmp_path):
     checkpoints.close()
     # Two training steps moved the running averages away from their initial values.
     assert not np.allclose(saved["batch_stats"]["bn_init"]["mean"], initial["batch_stats"]["bn_init"]["mean"])
-    resumed = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--steps", "3", home=smoke_data)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3
