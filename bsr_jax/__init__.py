@@ -8,6 +8,7 @@ from bsr_jax.layers import Affine, Dense, LayerScale
 from bsr_jax.lean import lean_neighbours
 from bsr_jax.linear import bsr_linear
 from bsr_jax.pooling import Pooling
+from bsr_jax import presets
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
 from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, program_order_peak, remat_policy, residual_bytes
@@ -16,6 +17,7 @@ __all__ = [
     "compress_model",
     "Conv",
     "Pooling",
+    "presets",
     "compressed_conv",
     "Affine",
     "LayerPlan",
