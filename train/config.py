@@ -214,7 +214,7 @@ class Processes:
             "num_processes": (self.num_processes >= 1, ">= 1"),
             "process_id": (0 <= self.process_id < self.num_processes, f"in [0, num_processes = {self.num_processes})"),
             "coordinator": (
-                (self.coordinator is None and self.num_processes == 1) or (bool(host) and port.isdigit()),
+                self.coordinator is None if self.num_processes == 1 else bool(host) and port.isdigit(),
                 "HOST:PORT, given exactly when num_processes > 1",
             ),
         }

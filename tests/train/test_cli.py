@@ -63,7 +63,8 @@ def test_help_documents_every_flag_with_its_default(defaults):
         assert flag in text, flag
     # One "(default: ...)" per flag (help itself has none); argparse may wrap inside the parentheses.
     flat = " ".join(text.split())
-    assert flat.count("(default:") == len(dataclasses.fields(TrainConfig)) + 1  # + --workdir
+    # + --workdir and the flags of the processes of a run (--coordinator --num-processes --process-id)
+    assert flat.count("(default:") == len(dataclasses.fields(TrainConfig)) + 1 + len(dataclasses.fields(config_lib.Processes))
     assert f"(default: {defaults.model})" in flat and f"(default: {defaults.batch_size})" in flat
 
 

@@ -7,6 +7,7 @@ and only the order in which the gradient all-reduce sums the devices' parts diff
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,36 @@ import numpy as np
 import pytest
 
 from benchmarks.multiprocess import LOSS_TOLERANCE, STATE_TOLERANCE, TINY_RUN, final_state, launch, step_records
+from train import config as config_lib
+from train.config import CIFAR_DEFAULTS, Processes
+
+
+def test_process_flags_are_not_training_settings():
+    flags = ["--coordinator", "node0:1234", "--num-processes", "2", "--process-id", "1", "--sparsity", "0.5"]
+    config, _, _ = config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, flags)
+    assert config == dataclasses.replace(CIFAR_DEFAULTS, sparsity=0.5)
+    assert config_lib.parse_processes("train.cifar", flags) == Processes(coordinator="node0:1234", num_processes=2, process_id=1)
+    assert config_lib.parse_processes("train.cifar", ["--sparsity", "0.5"]) == Processes()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-processes", "0"], "argument --num-processes: num_processes must be >= 1, got 0"),
+        (["--num-processes", "2", "--coordinator", "node0:1234", "--process-id", "2"],
+         "argument --process-id: process_id must be in [0, num_processes = 2), got 2"),
+        (["--num-processes", "2"], "argument --coordinator: coordinator must be HOST:PORT, given exactly when num_processes > 1, got None"),
+        (["--num-processes", "2", "--coordinator", "node0"],
+         "argument --coordinator: coordinator must be HOST:PORT, given exactly when num_processes > 1, got 'node0'"),
+        (["--coordinator", "node0:1234"],
+         "argument --coordinator: coordinator must be HOST:PORT, given exactly when num_processes > 1, got 'node0:1234'"),
+    ],
+)  # fmt: skip
+def test_bad_process_flags_exit_with_one_line_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        config_lib.parse_processes("train.cifar", flags)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"train.cifar: {message} (see --help)\n"
 
 
 @pytest.fixture(scope="module")
