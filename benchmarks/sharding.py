@@ -1,14 +1,17 @@
 """Sharded jit on 4 host devices: per-device memory of dense vs block-pruned grad steps, and gathers.
 
-    python -m benchmarks.sharding [MLP] [ResMLP-S12]   # sets --xla_force_host_platform_device_count=4 itself
+    python -m benchmarks.sharding [MLP] [ResMLP-S12] [ResNet-18]   # sets --xla_force_host_platform_device_count=4 itself
 
-For each model (the issue's 2-layer MLP of ``bsr_jax.Dense``, x (256, 64, 256); ResMLP-S12 at
-CIFAR shapes, batch 128) and mesh (data parallel with Explicit and Auto axes; a (data 2, model 2)
-mesh with kernels split over "model" and Explicit axes), the loss gradient step is traced and
-compiled, never run. Columns: per-device residual bytes (the arrays the backward pass keeps, each
-once, as shard shapes; Explicit axes only, where the types carry the shard shapes), per-device
-compiled temp memory, and the number of all-gathers in the compiled HLO. Writes
-benchmarks/results/sharding.json.
+Models: the issue's 2-layer MLP of ``bsr_jax.Dense`` (x (256, 64, 256)); ResMLP-S12 at CIFAR
+shapes, batch 128, linear, Affine and LayerScale inputs pruned; ResNet-18 at CIFAR shapes, batch
+128, ``compress_model`` with every convolution pruned (as ``train.cifar --model resnet18``).
+Meshes: data parallel with Explicit and Auto axes; (data 2, model 2) with Explicit and Auto axes
+(Auto: traced under ``batch_axes("data")`` and ``jax.set_mesh``), where the MLP's kernels are
+split along their outputs and ResMLP's fc1/fc2 as Megatron splits them (ResNet: data parallel
+only). Sparsity 0.7, block 16. The loss gradient step is traced and compiled, never run. Columns:
+per-device residual bytes (the arrays the backward pass keeps, each once, as shard shapes;
+Explicit axes only, where the types carry the shard shapes), per-device compiled temp memory, and
+the number of all-gathers in the compiled HLO. Writes benchmarks/results/sharding.json.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 import bsr_jax  # noqa: E402
 from train import models  # noqa: E402
+from train.resnet import ResNet18, compression_rules  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "sharding.json")
 SPARSITY, BLOCK = 0.7, 16
@@ -62,10 +66,21 @@ def resmlp_s12(sparsity: float):
 
 
 def kernel_spec(path, leaf, model_axis: bool) -> P:
-    """Kernels and biases split along their output features over "model" (tensor parallel), the
-    rest replicated."""
+    """Where a parameter lives on the "model" axis (tensor parallel); the rest replicated.
+
+    ResMLP (parameters under ``block<i>``): Megatron's MLP split, fc1 along its outputs (kernel and
+    bias) and fc2 along its inputs, so the hidden activation stays split between them. Other models
+    (the issue's MLP): every kernel and bias along its output features."""
     name = jax.tree_util.keystr(path)
-    if model_axis and name.endswith(("['kernel']", "['bias']")) and leaf.shape[-1] % 2 == 0:
+    if not model_axis:
+        return P()
+    if "['block" in name:
+        if "['fc1']" in name:
+            return P(*(None,) * (leaf.ndim - 1), "model")
+        if name.endswith("['fc2']['kernel']"):
+            return P("model", None)
+        return P()
+    if name.endswith(("['kernel']", "['bias']")) and leaf.shape[-1] % 2 == 0:
         return P(*(None,) * (leaf.ndim - 1), "model")
     return P()
 
@@ -76,32 +91,64 @@ def shard_bytes(leaf) -> int:
     return math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
 
 
+@contextlib.contextmanager
+def auto_2d(mesh):
+    with bsr_jax.sharding.batch_axes("data"), jax.set_mesh(mesh):
+        yield
+
+
+def resnet18(sparsity: float):
+    # As `train.cifar --model resnet18 --sparsity 0.7` builds it: compress_model of the plain model
+    # (every conv compressed, classifier dense, lean BatchNorm/ReLU); the plain model at 0.
+    model = ResNet18(num_classes=10, stem="cifar")
+    if sparsity:
+        model = bsr_jax.compress_model(model, compression_rules(bsr_jax.Pruning(sparsity, block=BLOCK)))
+    return model, (128, 32, 32, 3)
+
+
 def measure(build, sparsity: float, mesh, model_axis: bool, declare: bool) -> dict:
     model, x_shape = build(sparsity)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, *x_shape[1:]))))
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, kernel_spec(path, a, model_axis))), params
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, *x_shape[1:]))))
+    variables = jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, kernel_spec(path, a, model_axis))), variables
     )
+    params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=NamedSharding(mesh, P("data")))
-    loss = lambda p, x: jnp.mean(model.apply(p, x) ** 2)
-    context = bsr_jax.sharding.batch_axes("data") if declare else contextlib.nullcontext()
+
+    def loss(params, state, x):
+        # BatchNorm's statistics (ResNet) are updated in training mode, as the train step does.
+        out = model.apply({"params": params, **state}, x, mutable=list(state)) if state else model.apply({"params": params}, x)
+        return jnp.mean((out[0] if state else out) ** 2)
+
+    # Several Auto axes: declare the batch's and set the mesh (bsr_jax.sharding, docs/sharding.md).
+    context = auto_2d(mesh) if declare else contextlib.nullcontext()
     with context:
         residual = None
         if mesh.axis_types[0] == AxisType.Explicit:
             found = {}
 
-            def keep(p, x):
-                _, vjp_fn = jax.vjp(loss, p, x)
-                skip = {id(leaf) for leaf in jax.tree.leaves((p, x))}
+            def keep(p, state, x):
+                _, vjp_fn = jax.vjp(lambda p, x: loss(p, state, x), p, x)
+                skip = {id(leaf) for leaf in jax.tree.leaves((p, state, x))}
                 found.update({id(leaf): shard_bytes(leaf) for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in skip and hasattr(leaf, "shape")})
 
-            jax.jit(keep).trace(params, x)
+            jax.jit(keep).trace(params, state, x)
             residual = sum(found.values())
-        compiled = jax.jit(jax.grad(loss)).lower(params, x).compile()
+        compiled = jax.jit(jax.grad(loss)).lower(params, state, x).compile()
     hlo = compiled.as_text()
     return dict(residual_mib=None if residual is None else residual / 2**20,
                 temp_mib=compiled.memory_analysis().temp_size_in_bytes / 2**20,
                 all_gathers=hlo.count("all-gather-start") + hlo.count(" all-gather("))  # fmt: skip
+
+
+def measure_dense(build, mesh, model_axis: bool, declare: bool) -> dict:
+    """The baseline; recorded as an error where the dense model itself does not compile (Explicit
+    axes refuse a plain product whose contracted axes are split on both sides without an
+    ``out_sharding``: Megatron's row-parallel fc2, which the pruned op handles)."""
+    try:
+        return measure(build, 0.0, mesh, model_axis, declare)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
 
 def main() -> None:
@@ -113,31 +160,35 @@ def main() -> None:
         "data 2 x model 2, Explicit": (jax.make_mesh((2, 2), ("data", "model")), True, False),
         "data 2 x model 2, Auto": (jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2), True, True),
     }
+    models = {"MLP": (mlp, list(meshes)), "ResMLP-S12": (resmlp_s12, list(meshes)), "ResNet-18": (resnet18, ["data 4, Explicit", "data 4, Auto"])}
+    chosen = sys.argv[1:] or list(models)
+    unknown = sorted(set(chosen) - set(models))
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}; choose from {list(models)}")
     rows = []
-    header = f"{'model':<11} {'mesh':<27} {'resid dense':>11} {'resid 0.7':>9} {'ratio':>5} {'temp dense':>10} {'temp 0.7':>8} {'ratio':>5} {'gathers d/s':>11}"
-    print(header)
-    chosen = set(sys.argv[1:]) or {"MLP", "ResMLP-S12"}
-    for model_name, build in (("MLP", mlp), ("ResMLP-S12", resmlp_s12)):
-        if model_name not in chosen:
-            continue
-        for mesh_name, (mesh, model_axis, declare) in meshes.items():
-            if model_axis and model_name == "ResMLP-S12":
-                continue  # splitting every ResMLP kernel over "model" breaks the dense model's own dots
-            dense = measure(build, 0.0, mesh, model_axis, declare)
+    print(f"{'model':<11} {'mesh':<27} {'resid dense':>11} {'resid 0.7':>9} {'ratio':>5} {'temp dense':>10} {'temp 0.7':>8} {'ratio':>5} {'gathers d/s':>11}")
+    for model_name in chosen:
+        build, mesh_names = models[model_name]
+        for mesh_name in mesh_names:
+            mesh, model_axis, declare = meshes[mesh_name]
+            dense = measure_dense(build, mesh, model_axis, declare)
             sparse = measure(build, SPARSITY, mesh, model_axis, declare)
-            row = dict(model=model_name, mesh=mesh_name, dense=dense, sparse=sparse)
-            rows.append(row)
-            res = lambda m: "-" if m["residual_mib"] is None else f"{m['residual_mib']:.1f}"
-            res_ratio = "-" if dense["residual_mib"] is None else f"{sparse['residual_mib'] / dense['residual_mib']:.2f}"
-            print(
-                f"{model_name:<11} {mesh_name:<27} {res(dense):>11} {res(sparse):>9} {res_ratio:>5} {dense['temp_mib']:>10.1f} "
-                f"{sparse['temp_mib']:>8.1f} {sparse['temp_mib'] / dense['temp_mib']:>5.2f} {dense['all_gathers']:>5}/{sparse['all_gathers']:<5}",
-                flush=True,
-            )
+            rows.append(dict(model=model_name, mesh=mesh_name, dense=dense, sparse=sparse))
+            print(f"{model_name:<11} {mesh_name:<27} {row_text(dense, sparse)}", flush=True)
+            if "error" in dense:
+                print(f"    dense: {dense['error']}")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump(dict(sparsity=SPARSITY, block=BLOCK, devices=len(devices), jax=jax.__version__, rows=rows), f, indent=1)
     print(f"wrote {RESULTS}")
+
+
+def row_text(dense: dict, sparse: dict) -> str:
+    mib = lambda m, key: "-" if m.get(key) is None else f"{m[key]:.1f}"
+    ratio = lambda key: "-" if dense.get(key) is None or sparse.get(key) is None else f"{sparse[key] / dense[key]:.2f}"
+    gathers = f"{dense.get('all_gathers', '-')}/{sparse['all_gathers']}"
+    return (f"{mib(dense, 'residual_mib'):>11} {mib(sparse, 'residual_mib'):>9} {ratio('residual_mib'):>5} "
+            f"{mib(dense, 'temp_mib'):>10} {mib(sparse, 'temp_mib'):>8} {ratio('temp_mib'):>5} {gathers:>11}")  # fmt: skip
 
 
 if __name__ == "__main__":
