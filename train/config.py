@@ -4,7 +4,9 @@ Each CLI passes its own defaults (``CIFAR_DEFAULTS``, ``IMAGENET_DEFAULTS``) to 
 ``parse`` turns the flags into a ``TrainConfig``. Flags map one to one onto fields
 (``--batch-size`` -> ``batch_size``). With ``--resume`` the run's own ``config.json`` is the
 config: flags that repeat it are fine, flags that change it are an error, except the
-``RESUME_OVERRIDES``, which are applied and reported.
+``RESUME_OVERRIDES``, which are applied and reported. The flags of a run over several processes
+(``--coordinator --num-processes --process-id``) are not training settings: ``parse_processes``
+reads them into a ``Processes``.
 
 Nothing here imports JAX, so ``--help`` and flag errors answer at once.
 """
@@ -223,7 +225,7 @@ class Processes:
                 raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
-PROCESS_FLAGS_HELP = {
+_PROCESS_HELP = {
     "coordinator": "HOST:PORT where process 0 serves JAX's coordination service (runs over several processes; "
     "every process passes the same address)",
     "num_processes": "processes of the run; their devices form one mesh and --batch-size is split over all of them",
@@ -337,7 +339,7 @@ def build_parser(
 def _add_process_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(Processes):
         kind = int if field.type == "int" else str
-        parser.add_argument(_flag(field.name), type=kind, default=field.default, help=PROCESS_FLAGS_HELP[field.name])
+        parser.add_argument(_flag(field.name), type=kind, default=field.default, help=_PROCESS_HELP[field.name])
 
 
 def parse_processes(prog: str, argv: Sequence[str] | None = None) -> Processes:

@@ -10,13 +10,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import chex
 import numpy as np
 import pytest
 
-from benchmarks.multiprocess import LOSS_TOLERANCE, STATE_TOLERANCE, TINY_RUN, final_state, launch, step_records
+from benchmarks.multiprocess import LOSS_TOLERANCE, STATE_TOLERANCE, TINY_RUN, final_state, free_port, launch, step_records
 from train import config as config_lib
 from train.config import CIFAR_DEFAULTS, Processes
 
@@ -92,7 +96,7 @@ def test_data_parallel_step_across_two_processes():
         assert f"process {index}: all checks passed" in done.stdout
 
 
-@pytest.mark.slow  # 3 CLI runs side by side: about 50 s on 2 busy cores
+@pytest.mark.slow  # 3 CLI processes side by side: 39-52 s on 2 busy cores
 def test_two_processes_match_one_process_with_the_same_devices(image_folder, tmp_path):
     (single,), (first, second), single_dir, multi_dir = run_both_layouts(image_folder, tmp_path, "--steps", "5")
 
@@ -110,3 +114,53 @@ def test_two_processes_match_one_process_with_the_same_devices(image_folder, tmp
     # Process 0 prints the records and the summary; process 1 prints none of them.
     assert "kind=eval" in first.stdout and f"run summary ({multi_dir})" in first.stdout
     assert "kind=" not in second.stdout and "run summary" not in second.stdout, second.stdout
+
+
+@pytest.mark.slow  # 3 runs of 2 processes: 80 s on 2 busy cores
+def test_resume_over_two_processes_continues_bit_for_bit(image_folder, tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "TFDS_DATA_DIR": str(tmp_path / "tfds")}
+    flags = ["-m", "train.cifar", "--data-dir", str(image_folder), "--cache-dir", str(image_folder / "cache"), *TINY_RUN]
+
+    def run(workdir: str, *extra: str) -> None:
+        for done in launch([*flags, "--workdir", str(tmp_path / workdir), *extra], 2, 2, env=env, timeout_s=240):
+            assert done.returncode == 0, done.stdout + done.stderr
+
+    run("whole", "--steps", "5")
+    run("resumed", "--steps", "3")
+    run("resumed", "--steps", "5", "--resume")
+    whole, resumed = (final_state(str(tmp_path / w)) for w in ("whole", "resumed"))
+    chex.assert_trees_all_equal(resumed, whole)
+    records = [[r for r in step_records(str(tmp_path / w)) if r["kind"] == "train"] for w in ("whole", "resumed")]
+    assert records[1] == records[0]
+
+
+@pytest.mark.slow  # 27 s on 2 busy cores
+def test_a_signal_to_one_process_stops_both_at_the_same_step(image_folder, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    workdir = tmp_path / "run"
+    flags = ["--data-dir", str(image_folder), "--cache-dir", str(image_folder / "cache"), "--workdir", str(workdir),
+             *TINY_RUN, "--steps", "400", "--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]  # fmt: skip
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    processes = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            processes.append(subprocess.Popen([sys.executable, "-m", "train.cifar", *flags, "--process-id", str(i)],
+                                              env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "kind=train step=2 " not in logs[0].read_text():
+            assert time.monotonic() < deadline and processes[0].poll() is None, logs[0].read_text()
+            time.sleep(0.2)
+        processes[1].send_signal(signal.SIGTERM)  # process 1 only
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [128 + signal.SIGTERM] * 2, [log.read_text() for log in logs]
+    (stopped_at,) = os.listdir(workdir / "checkpoints")  # one checkpoint, saved by both together
+    assert 2 <= int(stopped_at) < 400
+    last = step_records(str(workdir))[-1]
+    assert (last["kind"], last["step"]) == ("train", int(stopped_at))
+    assert f"stopped by SIGTERM at step {stopped_at}" in logs[0].read_text()
