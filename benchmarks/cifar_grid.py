@@ -44,7 +44,15 @@ CONFIGS: dict[str, list[str]] = {
     "all-s0.5-b16-int8-stoch": [
         "--sparsity", "0.5", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8", "--stochastic",
     ],
+    # Issue 14's accuracy study (benchmarks/resnet_study.py runs it): ResNet-18 at a quarter of its
+    # width (--dim 16: several epochs an hour on 2 cores, benchmarks/resnet_step_time.py), dense, every
+    # conv input pooled 2x2 (BatchNorm and ReLU lean), BSR 0.7/16 on every conv input.
+    "resnet18-dense": ["--model", "resnet18", "--dim", "16", "--sparsity", "0"],
+    "resnet18-pool2": ["--model", "resnet18", "--dim", "16", "--compression", "pool2"],
+    "resnet18-bsr0.7-b16": ["--model", "resnet18", "--dim", "16", "--sparsity", "0.7", "--block", "16"],
 }
+# Run by benchmarks/resnet_study.py; the default grid (ResMLP) leaves them out. The first is the dense reference.
+RESNET_STUDY = ("resnet18-dense", "resnet18-pool2", "resnet18-bsr0.7-b16")
 
 
 def finished(workdir: str, epochs: int) -> bool:
@@ -87,7 +95,8 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="ResMLP preset (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=4, help="epochs per run, equal for all (default: %(default)s)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="default: 0 1")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), help="default: all")
+    resmlp = [name for name in CONFIGS if name not in RESNET_STUDY]
+    parser.add_argument("--configs", nargs="+", default=resmlp, choices=list(CONFIGS), help="default: all but RESNET_STUDY")
     parser.add_argument("--report-only", action="store_true", help="only summarise the runs that exist")
     parser.add_argument("--out", default="docs/results", help="where the report's table, JSON and plots go")
     parser.add_argument("extra", nargs="*", help="further train.cifar flags, after --")

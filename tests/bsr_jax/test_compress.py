@@ -394,8 +394,8 @@ def test_nnx_conv_net_pooled_with_lean_neighbours():
 
     # Pooled conv inputs (1/4), BatchNorm keeping its input only, ReLU a 1-bit mask.
     assert activation_bytes(compressed) <= 0.45 * activation_bytes(model)
-    # Differentiated in the state too: lean NNX norms fail under a grad in x alone (flax's
-    # TraceContextError from the nnx.remat in bsr_jax.lean when the state is not differentiated).
+    # Differentiated in the state too: NNX BatchNorm in training mode, lean or not, raises flax's
+    # TraceContextError under a jax.grad in x alone (its statistics update from an inner trace level).
     value_and_dx = lambda m: jax.jit(jax.value_and_grad(loss_of(m)[0], argnums=(0, 1)))(loss_of(m)[1], x)
     (value, (_, dx)), (dense_value, (_, dense_dx)) = value_and_dx(compressed), value_and_dx(model)
     chex.assert_trees_all_equal(value, dense_value)

@@ -1,0 +1,103 @@
+"""Issue 14's accuracy study: CIFAR-10 ResNet-18 dense vs pool2 vs BSR 0.7/16 at equal epochs.
+
+One resumable command trains the three ``benchmarks/cifar_grid.py`` configurations in ``STUDY``
+(``RESNET_STUDY``; one after the other, each in ``ROOT/<config>-seed<S>``; finished runs are skipped,
+interrupted ones resume from their last checkpoint) for ``EPOCHS`` epochs, then prints the accuracy table:
+per configuration the residual memory against dense (each run's memory record), the test accuracy
+after every epoch, the final accuracy, and the epochs until the test accuracy first reaches 90% of
+the dense run's final accuracy ("-": not reached; unfinished runs show the epochs they have).
+
+    python -m benchmarks.resnet_study --data-dir /work/shared/data/cifar10-jpg.tar.gz
+    python -m benchmarks.resnet_study --table-only          # the table of what has run so far
+
+Its width (``--dim 16`` in CONFIGS) and ``EPOCHS`` come from ``benchmarks/resnet_step_time.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+if __package__:
+    from benchmarks import cifar_grid
+else:  # run as a script
+    import cifar_grid
+
+STUDY = cifar_grid.RESNET_STUDY  # CONFIGS names; the first is the dense reference
+# ResNet-18 at --dim 16 measured 1.2-1.6 s per step of 128 (benchmarks/results/resnet_step_time.json,
+# 2 cores shared with another training run and tests): 8-10 minutes per epoch; a whole --steps 3 run
+# (data, compilation, 3 steps, one evaluation of the 10k test images) took 39 s. So 5 epochs fit the
+# issue's ~60 minutes per configuration. Full width (--dim 64) took 12-16 s per step (< 1 epoch an
+# hour), --dim 32 4.4-5.5 s (about 2).
+EPOCHS = 5
+
+
+def read_run(workdir: str) -> dict:
+    """``{"evals": [(epoch, test accuracy), ...], "memory": the memory record or {}, "finished":
+    evaluated after its last configured epoch}`` of one run."""
+    records = defaultdict(list)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            records[record["kind"]].append(record)
+    with open(os.path.join(workdir, "config.json")) as f:
+        epochs = json.load(f)["config"]["epochs"]
+    evals = [(r["epoch"], r["test_accuracy"]) for r in records["eval"]]
+    finished = bool(evals) and evals[-1][0] >= epochs - 1e-9
+    return {"evals": evals, "memory": records["memory"][0] if records["memory"] else {}, "finished": finished}
+
+
+def accuracy_table(root: str, configs: tuple[str, ...] = STUDY, seed: int = 0) -> tuple[list[dict], str]:
+    """Rows (one per configuration that has a run under ``root``) and the markdown table.
+
+    ``configs[0]`` is the dense reference: epochs to 90% are counted against its final accuracy
+    (none until it has finished). Memory is each run's residual bytes over the dense model's
+    (``dense_residual_activation_mib`` of its memory record). An unfinished run is marked
+    "(unfinished)" and its last evaluation stands in the "final acc" column.
+    """
+    runs = {}
+    for name in configs:
+        workdir = os.path.join(root, f"{name}-seed{seed}")
+        if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+            runs[name] = read_run(workdir)
+    dense = runs.get(configs[0])
+    target = 0.9 * dense["evals"][-1][1] if dense and dense["finished"] else None
+    rows = []
+    for name, run in runs.items():
+        memory = run["memory"]
+        ratio = memory["residual_activation_mib"] / memory["dense_residual_activation_mib"] if memory else None
+        reached = None if target is None else next((e for e, acc in run["evals"] if acc >= target), None)
+        rows.append(dict(config=name, residual_vs_dense=ratio, evals=run["evals"], epochs_to_90pct_dense=reached,
+                         final_accuracy=run["evals"][-1][1] if run["evals"] else None, finished=run["finished"]))  # fmt: skip
+    epochs = sorted({round(e, 6) for row in rows for e, _ in row["evals"]})
+    fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+    header = ["config", "residual memory vs dense", *(f"acc @ epoch {e:g}" for e in epochs), "final acc", "epochs to 90% of dense"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        by_epoch = {round(e, 6): acc for e, acc in row["evals"]}
+        cells = [row["config"] + ("" if row["finished"] else " (unfinished)"), fmt(row["residual_vs_dense"], "{:.2f}"), *(fmt(by_epoch.get(e), "{:.2%}") for e in epochs),
+                 fmt(row["final_accuracy"], "{:.2%}"), fmt(row["epochs_to_90pct_dense"], "{:g}")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return rows, "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default="runs/resnet18_study", help="one workdir per run below this (default: %(default)s)")
+    parser.add_argument("--data-dir", help="passed to train.cifar --data-dir")
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per run, equal for all (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--table-only", action="store_true", help="only print the table of the runs that exist")
+    parser.add_argument("extra", nargs="*", help="further train.cifar flags, after --")
+    args = parser.parse_args()
+    if not args.table_only:
+        grid = argparse.Namespace(root=args.root, data_dir=args.data_dir, model="resnet18", epochs=args.epochs,
+                                  seeds=[args.seed], configs=list(STUDY), extra=args.extra)  # fmt: skip
+        cifar_grid.run_grid(grid)
+    print(accuracy_table(args.root, STUDY, args.seed)[1])
+
+
+if __name__ == "__main__":
+    main()
