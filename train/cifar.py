@@ -6,6 +6,8 @@ python -m train.cifar --model resnet18 --compression pool2 (or pool4, or --spars
 Without --data-dir, CIFAR is looked for in tfds' manual dir and ~/.cache/bsr_jax/downloads, else
 downloaded there. The tiny preset takes about 3 minutes per epoch on 2 CPU cores (the default 100
 epochs: about 5 hours); --epochs 3 or --steps 100 for a quick run.
+Over several processes (hosts): run it in each with --coordinator HOST:PORT --num-processes N
+--process-id I added (docs/sharding.md, "Training on several processes").
 """
 
 import sys

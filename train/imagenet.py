@@ -5,6 +5,8 @@ ResNet-50 (7x7 stem, BatchNorm), every conv input pooled 2x2 for its weight grad
 python -m train.imagenet --model resnet50 --compression pool2 --data-dir ~/imagenet
 (--data-dir holds ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar, tfds' manual_dir layout,
 or an image folder train/<class>/*.JPEG, val/<class>/*.JPEG).
+Over several processes (hosts): run it in each with --coordinator HOST:PORT --num-processes N
+--process-id I added (docs/sharding.md, "Training on several processes").
 """
 
 import sys

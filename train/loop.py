@@ -180,7 +180,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     Returns:
       ``{"memory", "train", "eval"}`` (the last record of each kind; "train" and "eval" are absent
       when no step ran), ``"step"`` reached, ``"stopped_by"``: the signal number that stopped the
-      run early, or None, and ``"summary"`` (``train.metrics.run_summary``). A resumed run that had
+      run early (by any process of the run), or None, and ``"summary"`` (``train.metrics.run_summary``;
+      None on processes other than 0, which do not own the records). A resumed run that had
       already finished returns ``{"step", "stopped_by": None, "summary": None}`` and writes nothing.
 
     Raises:
