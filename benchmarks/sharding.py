@@ -65,23 +65,20 @@ def resmlp_s12(sparsity: float):
     return model, (128, 8, 8, 48)
 
 
-def kernel_spec(path, leaf, model_axis: bool) -> P:
+def kernel_spec(path, leaf, plan: str | None) -> P:
     """Where a parameter lives on the "model" axis (tensor parallel); the rest replicated.
 
-    ResMLP (parameters under ``block<i>``): Megatron's MLP split, fc1 along its outputs (kernel and
-    bias) and fc2 along its inputs, so the hidden activation stays split between them. Other models
-    (the issue's MLP): every kernel and bias along its output features."""
+    ``"outputs"`` (the issue's MLP): every kernel and bias split along its output features.
+    ``"megatron"`` (ResMLP): Megatron's MLP split, fc1 along its outputs (kernel and bias) and fc2
+    along its inputs, so only the hidden activation is split; the rest replicated. ``None``: all
+    replicated (data parallel)."""
     name = jax.tree_util.keystr(path)
-    if not model_axis:
-        return P()
-    if "['block" in name:
-        if "['fc1']" in name:
-            return P(*(None,) * (leaf.ndim - 1), "model")
-        if name.endswith("['fc2']['kernel']"):
-            return P("model", None)
-        return P()
-    if name.endswith(("['kernel']", "['bias']")) and leaf.shape[-1] % 2 == 0:
+    if plan == "outputs" and name.endswith(("['kernel']", "['bias']")) and leaf.shape[-1] % 2 == 0:
         return P(*(None,) * (leaf.ndim - 1), "model")
+    if plan == "megatron" and "['fc1']" in name:
+        return P(*(None,) * (leaf.ndim - 1), "model")
+    if plan == "megatron" and name.endswith("['fc2']['kernel']"):
+        return P("model", None)
     return P()
 
 
@@ -106,11 +103,11 @@ def resnet18(sparsity: float):
     return model, (128, 32, 32, 3)
 
 
-def measure(build, sparsity: float, mesh, model_axis: bool, declare: bool) -> dict:
+def measure(build, sparsity: float, mesh, plan: str | None, declare: bool) -> dict:
     model, x_shape = build(sparsity)
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, *x_shape[1:]))))
     variables = jax.tree_util.tree_map_with_path(
-        lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, kernel_spec(path, a, model_axis))), variables
+        lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, kernel_spec(path, a, plan))), variables
     )
     params, state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=NamedSharding(mesh, P("data")))
@@ -141,12 +138,12 @@ def measure(build, sparsity: float, mesh, model_axis: bool, declare: bool) -> di
                 all_gathers=hlo.count("all-gather-start") + hlo.count(" all-gather("))  # fmt: skip
 
 
-def measure_dense(build, mesh, model_axis: bool, declare: bool) -> dict:
+def measure_dense(build, mesh, plan: str | None, declare: bool) -> dict:
     """The baseline; recorded as an error where the dense model itself does not compile (Explicit
     axes refuse a plain product whose contracted axes are split on both sides without an
     ``out_sharding``: Megatron's row-parallel fc2, which the pruned op handles)."""
     try:
-        return measure(build, 0.0, mesh, model_axis, declare)
+        return measure(build, 0.0, mesh, plan, declare)
     except Exception as e:  # noqa: BLE001 - the message is the result
         return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
@@ -160,7 +157,12 @@ def main() -> None:
         "data 2 x model 2, Explicit": (jax.make_mesh((2, 2), ("data", "model")), True, False),
         "data 2 x model 2, Auto": (jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2), True, True),
     }
-    models = {"MLP": (mlp, list(meshes)), "ResMLP-S12": (resmlp_s12, list(meshes)), "ResNet-18": (resnet18, ["data 4, Explicit", "data 4, Auto"])}
+    # model: (builder, its tensor-parallel plan on the "model" axis, meshes)
+    models = {
+        "MLP": (mlp, "outputs", list(meshes)),
+        "ResMLP-S12": (resmlp_s12, "megatron", list(meshes)),
+        "ResNet-18": (resnet18, None, ["data 4, Explicit", "data 4, Auto"]),
+    }
     chosen = sys.argv[1:] or list(models)
     unknown = sorted(set(chosen) - set(models))
     if unknown:
@@ -168,11 +170,12 @@ def main() -> None:
     rows = []
     print(f"{'model':<11} {'mesh':<27} {'resid dense':>11} {'resid 0.7':>9} {'ratio':>5} {'temp dense':>10} {'temp 0.7':>8} {'ratio':>5} {'gathers d/s':>11}")
     for model_name in chosen:
-        build, mesh_names = models[model_name]
+        build, model_plan, mesh_names = models[model_name]
         for mesh_name in mesh_names:
             mesh, model_axis, declare = meshes[mesh_name]
-            dense = measure_dense(build, mesh, model_axis, declare)
-            sparse = measure(build, SPARSITY, mesh, model_axis, declare)
+            plan = model_plan if model_axis else None
+            dense = measure_dense(build, mesh, plan, declare)
+            sparse = measure(build, SPARSITY, mesh, plan, declare)
             rows.append(dict(model=model_name, mesh=mesh_name, dense=dense, sparse=sparse))
             print(f"{model_name:<11} {mesh_name:<27} {row_text(dense, sparse)}", flush=True)
             if "error" in dense:

@@ -207,9 +207,9 @@ def compress_rows(compress: Callable[[jax.Array, jax.Array | None], Any], x: jax
     )
 
 
-
 def _free_auto_axes() -> tuple[str, ...]:
-    """Auto axes (of size > 1) of the mesh being traced that are not manual: XLA partitions over them."""
+    """Auto axes (of size > 1) of the mesh being traced that are not manual: XLA partitions over them
+    (the abstract mesh is set inside ``shard_map`` and under ``jax.set_mesh``, empty otherwise)."""
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto and mesh.shape[n] > 1)
 

@@ -140,9 +140,13 @@ def main() -> int:
             raise AssertionError(f"several Auto axes without {message} must raise")
         except ValueError as e:
             assert message in str(e), e
-    with jax.set_mesh(auto_grid):
+    with _auto_2d(auto_grid):
         hlo = check_linear(auto_grid, P("data"), P(None, "model"), shards=2, declare=True, dy_spec=P("data", None, "model"))
-    assert not gathered_shapes(hlo), gathered_shapes(hlo)
+        assert not gathered_shapes(hlo), gathered_shapes(hlo)
+        # Row-parallel (x's features and the kernel's inputs split over "model"): the ranking stays
+        # over each row shard's whole K, so only the (Kb, Mb) = (4, 4) block scores are gathered.
+        hlo = check_linear(auto_grid, P("data", None, "model"), P("model", None), shards=2, declare=True, dy_spec=P("data"))
+        assert all(s.startswith("f32[4,4]") for s in gathered_shapes(hlo)), gathered_shapes(hlo)
 
     # 3. FSDP: kernel split over the batch axis; only the kernel is gathered, dW comes back split.
     hlo = check_linear(grid, P("data"), P("data", "model"), shards=2, dy_spec=P("data", None, "model"))
