@@ -19,8 +19,9 @@ Which mesh axes split the rows. Explicit axes (``jax.make_mesh``'s default): rea
 placement while tracing, so the op assumes x's leading axis is split over the mesh's only axis, or
 over the axes named by ``batch_axes(...)`` around the tracing (several Auto axes and no
 declaration is an error). Only those go manual: the other Auto axes stay Auto inside the op, so
-XLA's partitioner keeps a kernel split over them, and ``per_column_shard`` runs the opaque dW
-kernels per shard of dy's columns (which needs ``jax.set_mesh(mesh)`` around the step). A mesh
+XLA's partitioner keeps a kernel split over them; ``per_column_shard`` runs the opaque dW
+kernels per shard of dy's columns (which needs ``jax.set_mesh(mesh)`` around the step) and
+``whole_on_each_device`` keeps the block ranking whole on every device of those axes. A mesh
 mixing Auto and Explicit axes is not supported. Inside an existing ``shard_map`` (``train``'s loop)
 the manual axes are already local and the op runs unchanged. See docs/sharding.md.
 """
