@@ -3,8 +3,9 @@
     python -m benchmarks.sharding [MLP] [ResMLP-S12] [ResNet-18]   # sets --xla_force_host_platform_device_count=4 itself
 
 Models: the issue's 2-layer MLP of ``bsr_jax.Dense`` (x (256, 64, 256)); ResMLP-S12 at CIFAR
-shapes, batch 128, linear, Affine and LayerScale inputs pruned; ResNet-18 at CIFAR shapes, batch
-128, ``compress_model`` with every convolution pruned (as ``train.cifar --model resnet18``).
+shapes, batch 128, linear, Affine and LayerScale inputs pruned (dense baseline: ``nn.Dense`` with
+the output sharding Explicit axes need, ``explicit_dot_general``); ResNet-18 at CIFAR shapes,
+batch 128, ``compress_model`` with every convolution pruned (as ``train.cifar --model resnet18``).
 Meshes: data parallel with Explicit and Auto axes; (data 2, model 2) with Explicit and Auto axes
 (Auto: traced under ``batch_axes("data")`` and ``jax.set_mesh``), where the MLP's kernels are
 split along their outputs and ResMLP's fc1/fc2 as Megatron splits them (ResNet: data parallel
@@ -21,6 +22,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -55,8 +57,24 @@ def mlp(sparsity: float):
     return MLP(sparsity), (256, 64, 256)
 
 
+def explicit_dot_general(x, w, dims, precision=None, preferred_element_type=None):
+    """``lax.dot_general`` naming its output sharding where Explicit axes demand it: x and w both
+    split along the contracted axis (Megatron's row-parallel fc2) give partial sums, placed like
+    x's other axes (all-reduced). What a user of plain ``nn.Dense`` must write; the pruned op does
+    it itself (``bsr_jax.sharding``)."""
+    (x_axes, w_axes), _ = dims
+    x_spec, w_spec = (tuple(jax.typeof(a).sharding.spec) + (None,) * a.ndim for a in (x, w))
+    out_sharding = None
+    if any(x_spec[i] is not None and x_spec[i] == w_spec[j] for i, j in zip(x_axes, w_axes)):
+        kept = [x_spec[i] for i in range(x.ndim) if i not in x_axes] + [w_spec[j] for j in range(w.ndim) if j not in w_axes]
+        out_sharding = NamedSharding(jax.typeof(x).sharding.mesh, P(*kept))
+    return jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
 def resmlp_s12(sparsity: float):
-    dense = models.dense_def(sparsity=sparsity, block=BLOCK)
+    # The dense baseline is plain nn.Dense (the same parameters), with the output sharding named
+    # where Explicit axes need it; the pruned model is bsr_jax.Dense.
+    dense = models.dense_def(sparsity=sparsity, block=BLOCK) if sparsity else functools.partial(nn.Dense, dot_general=explicit_dot_general)
     affine, layerscale = models.scale_shift_defs(sparsity=sparsity, block=BLOCK)
     # CIFAR's 32x32x3 images in 4x4 patches, given pre-cut as 8x8 "images" of 48 channels with
     # patch_size 1: the same shapes for every layer (64 tokens of 48 -> 384), and no reshape that
@@ -138,16 +156,6 @@ def measure(build, sparsity: float, mesh, plan: str | None, declare: bool) -> di
                 all_gathers=hlo.count("all-gather-start") + hlo.count(" all-gather("))  # fmt: skip
 
 
-def measure_dense(build, mesh, plan: str | None, declare: bool) -> dict:
-    """The baseline; recorded as an error where the dense model itself does not compile (Explicit
-    axes refuse a plain product whose contracted axes are split on both sides without an
-    ``out_sharding``: Megatron's row-parallel fc2, which the pruned op handles)."""
-    try:
-        return measure(build, 0.0, mesh, plan, declare)
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-
-
 def main() -> None:
     devices = jax.devices()
     assert len(devices) == 4, f"expected 4 host devices, got {len(devices)}"
@@ -174,12 +182,10 @@ def main() -> None:
         for mesh_name in mesh_names:
             mesh, model_axis, declare = meshes[mesh_name]
             plan = model_plan if model_axis else None
-            dense = measure_dense(build, mesh, plan, declare)
+            dense = measure(build, 0.0, mesh, plan, declare)
             sparse = measure(build, SPARSITY, mesh, plan, declare)
             rows.append(dict(model=model_name, mesh=mesh_name, dense=dense, sparse=sparse))
             print(f"{model_name:<11} {mesh_name:<27} {row_text(dense, sparse)}", flush=True)
-            if "error" in dense:
-                print(f"    dense: {dense['error']}")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump(dict(sparsity=SPARSITY, block=BLOCK, devices=len(devices), jax=jax.__version__, rows=rows), f, indent=1)
@@ -187,9 +193,9 @@ def main() -> None:
 
 
 def row_text(dense: dict, sparse: dict) -> str:
-    mib = lambda m, key: "-" if m.get(key) is None else f"{m[key]:.1f}"
-    ratio = lambda key: "-" if dense.get(key) is None or sparse.get(key) is None else f"{sparse[key] / dense[key]:.2f}"
-    gathers = f"{dense.get('all_gathers', '-')}/{sparse['all_gathers']}"
+    mib = lambda m, key: "-" if m[key] is None else f"{m[key]:.1f}"
+    ratio = lambda key: "-" if dense[key] is None else f"{sparse[key] / dense[key]:.2f}"
+    gathers = f"{dense['all_gathers']}/{sparse['all_gathers']}"
     return (f"{mib(dense, 'residual_mib'):>11} {mib(sparse, 'residual_mib'):>9} {ratio('residual_mib'):>5} "
             f"{mib(dense, 'temp_mib'):>10} {mib(sparse, 'temp_mib'):>8} {ratio('temp_mib'):>5} {gathers:>11}")  # fmt: skip
 
