@@ -51,44 +51,42 @@ def conv_def(compression: bsr_jax.Pooling | bsr_jax.Pruning | None = None) -> Mo
     return functools.partial(bsr_jax.Conv, compression=compression)
 
 
-class ResNetBlock(nn.Module):
-    """Two 3x3 convs (ResNet-18/34); a 1x1 projection shortcut where the shape changes."""
+class _ResidualBlock(nn.Module):
+    """What both block kinds share: their attributes and ``act(shortcut(x) + y)``."""
 
     filters: int
     conv: ModuleDef
     norm: ModuleDef
     act: Callable[[jax.Array], jax.Array]
     strides: tuple[int, int] = (1, 1)
+
+    def add_shortcut(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """``act(x + y)``, x through a strided 1x1 projection and norm where the shape changes."""
+        if x.shape != y.shape:
+            x = self.norm(name="norm_proj")(self.conv(y.shape[-1], (1, 1), self.strides, name="conv_proj")(x))
+        return self.act(x + y)
+
+
+class ResNetBlock(_ResidualBlock):
+    """Two 3x3 convs (ResNet-18/34); a 1x1 projection shortcut where the shape changes."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.act(self.norm()(self.conv(self.filters, (3, 3), self.strides)(x)))
         # Zero-initialised last scale: each block starts as the identity (Goyal et al. 2017).
         y = self.norm(scale_init=nn.initializers.zeros_init())(self.conv(self.filters, (3, 3))(y))
-        shortcut = x
-        if x.shape != y.shape:
-            shortcut = self.norm(name="norm_proj")(self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(x))
-        return self.act(shortcut + y)
+        return self.add_shortcut(x, y)
 
 
-class BottleneckResNetBlock(nn.Module):
+class BottleneckResNetBlock(_ResidualBlock):
     """1x1 reduce, 3x3 (strided: v1.5), 1x1 expand to ``4 * filters``; projection shortcut."""
-
-    filters: int
-    conv: ModuleDef
-    norm: ModuleDef
-    act: Callable[[jax.Array], jax.Array]
-    strides: tuple[int, int] = (1, 1)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.act(self.norm()(self.conv(self.filters, (1, 1))(x)))
         y = self.act(self.norm()(self.conv(self.filters, (3, 3), self.strides)(y)))
         y = self.norm(scale_init=nn.initializers.zeros_init())(self.conv(4 * self.filters, (1, 1))(y))
-        shortcut = x
-        if x.shape != y.shape:
-            shortcut = self.norm(name="norm_proj")(self.conv(4 * self.filters, (1, 1), self.strides, name="conv_proj")(x))
-        return self.act(shortcut + y)
+        return self.add_shortcut(x, y)
 
 
 class ResNet(nn.Module):
