@@ -26,11 +26,11 @@ else:  # run as a script
     import cifar_grid
 
 STUDY = cifar_grid.RESNET_STUDY  # CONFIGS names; the first is the dense reference
-# ResNet-18 at --dim 16 measured 1.2-1.6 s per step of 128 (benchmarks/results/resnet_step_time.json,
-# 2 cores shared with another training run and tests): 8-10 minutes per epoch; a whole --steps 3 run
-# (data, compilation, 3 steps, one evaluation of the 10k test images) took 39 s. So 5 epochs fit the
-# issue's ~60 minutes per configuration. Full width (--dim 64) took 12-16 s per step (< 1 epoch an
-# hour), --dim 32 4.4-5.5 s (about 2).
+# ResNet-18 at --dim 16 took 0.7-1.2 s per step of 128 (benchmarks/results/resnet_step_time.json;
+# an earlier run of it 1.2-1.6 s; 2 cores shared with another training run and tests): 5-10 minutes
+# per epoch; a whole --steps 3 run (data, compilation, 3 steps, one evaluation of the 10k test
+# images) took 39 s. So 5 epochs fit the issue's ~60 minutes per configuration even at the slowest
+# figure. Full width (--dim 64) took 11.7-16.2 s per step (< 1 epoch an hour), --dim 32 2.9-5.5 s.
 EPOCHS = 5
 
 
