@@ -8,7 +8,10 @@ Each process joins with ``train.sharding.join_processes``, feeds its rows of one
 single-device computations of its own (on its first device):
 1. sparsity 0.7: the loss and grads equal the mean over the 4 shards of single-device ones (each
    device prunes its own shard, whichever process it belongs to);
-2. a stop signal received by one process only stops both (``StopRequest.agreed``).
+2. a stop signal received by one process only stops both (``StopRequest.agreed``);
+3. the library's own path, ``bsr_linear`` under a plain ``jax.jit`` on an Explicit mesh spanning
+   both processes (``bsr_jax.sharding``, no train/ code): y and dx exact, dW the sum over the 4 row
+   shards of single-device ones.
 The whole CLI run (data, optimizer steps, evaluation, checkpoints) against 1 process x 4 devices
 is test_multiprocess.py's slow test and benchmarks/multiprocess.py.
 """
@@ -18,6 +21,10 @@ import sys
 import chex
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import bsr_jax
 
 from train import data, loop, sharding, stopping
 from train.config import TrainConfig, parse_processes
@@ -56,6 +63,26 @@ def main(argv) -> int:
     if jax.process_index() == 1:
         request.signal = 15
     assert request.agreed() == 15, request.agreed()
+
+    # 3. bsr_linear on a mesh spanning both processes, sharded by jit alone.
+    explicit = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+    x = rng.normal(size=(32, 16)).astype(np.float32)
+    w, dy = rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32)
+    pruning = bsr_jax.Pruning(0.5, block=4)
+
+    def vjp(x, w, dy):
+        y, pullback = jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=pruning), x, w)
+        return y, *pullback(dy)
+
+    rows = NamedSharding(explicit, PartitionSpec("data"))
+    global_rows = lambda a: jax.make_array_from_process_local_data(rows, sharding.local_rows(a), a.shape)
+    with jax.set_mesh(explicit):
+        y, dx, dw = jax.jit(vjp)(global_rows(x), jax.device_put(w, NamedSharding(explicit, PartitionSpec())), global_rows(dy))
+    gather = lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    shards = [jax.device_get(jax.jit(vjp)(x[i * 8 : (i + 1) * 8], w, dy[i * 8 : (i + 1) * 8])) for i in range(4)]
+    chex.assert_trees_all_close(gather(y), x @ w, **TOL)
+    chex.assert_trees_all_close(gather(dx), dy @ w.T, **TOL)
+    chex.assert_trees_all_close(gather(dw), sum(s[2] for s in shards), **TOL)
 
     print(f"process {jax.process_index()}: all checks passed")
     return 0
