@@ -32,6 +32,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import bsr_jax
 from train.config import POOLING_FACTORS, TrainConfig
@@ -90,6 +91,15 @@ class ResMLPBlock(nn.Module):
         return x + scale(name="layerscale2")(y)
 
 
+def _batch_reshape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``x.reshape(shape)`` of the axes after the leading (batch) one. On Explicit mesh axes jax
+    wants the result's placement named: the batch axis keeps x's, the rest is whole."""
+    placed = jax.typeof(x).sharding
+    if placed.mesh.empty or AxisType.Explicit not in placed.mesh.axis_types:
+        return x.reshape(shape)
+    return jnp.reshape(x, shape, out_sharding=NamedSharding(placed.mesh, PartitionSpec(placed.spec[0] if placed.spec else None)))
+
+
 class ResMLP(nn.Module):
     """ResMLP classifier for images ``(B, H, W, C)`` -> logits ``(B, num_classes)`` float32.
 
@@ -135,9 +145,9 @@ class ResMLP(nn.Module):
         if height % p or width % p:
             raise ValueError(f"image size {height}x{width} must be a multiple of patch_size={p}")
         # Non-overlapping patches flattened in (row, col, channel) order: a stride-p conv as a linear.
-        patches = images.reshape(batch, height // p, p, width // p, p, channels).transpose(0, 1, 3, 2, 4, 5)
+        patches = _batch_reshape(images, (batch, height // p, p, width // p, p, channels)).transpose(0, 1, 3, 2, 4, 5)
         x = self.stem_dense(features=self.dim, dtype=self.dtype, name="stem")(
-            patches.reshape(batch, (height // p) * (width // p), p * p * channels)
+            _batch_reshape(patches, (batch, (height // p) * (width // p), p * p * channels))
         )
         init = layerscale_init_for(self.depth) if self.layerscale_init is None else self.layerscale_init
         block = nn.remat(ResMLPBlock, policy=self.remat_policy) if self.remat else ResMLPBlock
