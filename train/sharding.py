@@ -39,8 +39,8 @@ ResMLP (tiny, sparsity 0.7) a plain ``jit`` gives the same gradients as the ``sh
 where the largest is 0.76), because BatchNorm under a plain ``jit`` normalises
 with the global batch's statistics (XLA all-reduces them), a different model from the per-device
 statistics above that the ResNet runs and their resumes use. Stochastic pruning would change as
-well (keys folded per op with the row shard, not once per device), and ResMLP's patch reshape does
-not compile under Explicit axes (docs/sharding.md). Keeping per-device BatchNorm under ``jit``
+well (keys folded per op with the row shard, not once per device). (On Explicit axes the ResMLP
+loss under a plain ``jit`` gives the loop's gradients too: tests/train/data_parallel_check.py.) Keeping per-device BatchNorm under ``jit``
 would need a ``shard_map`` anyway, so switching would not simplify ``train/``: the loop keeps this
 one function, and every op inside it runs on its local shard unchanged (``map_row_shards`` sees
 the manual axis and steps aside). The per-op mechanism is for models under a user's own ``jit``.
