@@ -9,7 +9,7 @@ and the masked products are all recomputed from the documented rules:
 * capacity is ``max(1, ceil((1 - sparsity) * n))`` blocks, ``n`` being all blocks (``"global"``) or
   the blocks of one block-column (``"column"``, every column keeps that many);
 * the largest scores are kept; ties go to the lower flat index ``col * Mb + row``
-  (``bsr_jax.format._top_blocks``);
+  (``bsr_jax.selection.top_blocks``);
 * stochastic (priority sampling): weight ``w`` is the L2 norm (not squared) or the L1 sum, the
   priority is ``w / u``, the top-capacity priorities are kept, each rescaled by ``max(w, tau) / w``
   (1 when ``w == 0``) where ``tau`` is the largest priority not kept (per column for ``"column"``;

@@ -137,13 +137,13 @@ def test_bad_input_dtype_rank_criterion_selection():
 def test_top_blocks_break_ties_like_top_k_and_report_the_next_score(selection, keep):
     """The counting selection keeps exactly what lax.top_k keeps, ties to the lower flat index, on
     scores with many ties (small integers, zeros, inf), and returns the next-largest score."""
-    from bsr_jax.format import _top_blocks
+    from bsr_jax.selection import top_blocks
 
     kb, mb = 3, 12
     scores = np.random.default_rng(keep).integers(0, 4, (kb, mb)).astype(np.float32)
     scores[1, 3] = np.inf
     capacity = keep * (kb if selection == "column" else 1)
-    rows, cols, ptr, threshold = jax.jit(_top_blocks, static_argnums=(1, 2, 3))(jnp.asarray(scores), capacity, selection, True)
+    rows, cols, ptr, threshold = jax.jit(top_blocks, static_argnums=(1, 2, 3))(jnp.asarray(scores), capacity, selection, True)
     if selection == "global":
         top, flat = jax.lax.top_k(scores.reshape(-1), capacity + 1)
         want, next_score = np.sort(np.asarray(flat[:capacity])), top[capacity]
