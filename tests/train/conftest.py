@@ -130,3 +130,17 @@ def fake_data() -> SimpleNamespace:
         add_bytes=add_bytes,
         CIFAR10_CLASSES=CIFAR10_CLASSES,
     )
+
+
+@pytest.fixture(scope="session")
+def cifar_image_folder(tmp_path_factory):
+    """A CIFAR-10-style image folder of 32x32 PNGs under ``<root>/cifar10``: 40 train (5 steps of
+    8), 12 test; ``<root>`` is returned (pass it as ``--data-dir`` or as the run's home)."""
+    root = tmp_path_factory.mktemp("cifar_image_folder")
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 40), ("test", 12)):
+        for i in range(count):
+            folder = root / "cifar10" / split / f"class{i % 10}"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
+    return root

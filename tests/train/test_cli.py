@@ -171,21 +171,6 @@ def test_download_failure_is_one_line_and_leaves_no_checkpoints(tmp_path):
     assert not (tmp_path / "run").exists()  # a failed run leaves no empty workdir or checkpoints/
 
 
-@pytest.fixture(scope="module")
-def smoke_data(tmp_path_factory):
-    """A CIFAR-10-style image folder of 32x32 PNGs: 40 train, 12 test."""
-    from PIL import Image
-
-    tmp = tmp_path_factory.mktemp("smoke_data")
-    rng = np.random.default_rng(0)
-    for split, count in (("train", 40), ("test", 12)):
-        for i in range(count):
-            folder = tmp / "cifar10" / split / f"class{i % 10}"
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
-    return tmp
-
-
 def smoke_flags(data_dir, workdir, *extra: str) -> list[str]:
     return ["--data-dir", str(data_dir), "--cache-dir", str(data_dir / "cache"), "--workdir", str(workdir),
             "--batch-size", "8", "--eval-batch-size", "4", "--dim", "16", "--depth", "1",
@@ -193,11 +178,11 @@ def smoke_flags(data_dir, workdir, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smoke_run(smoke_data, tmp_path_factory):
+def smoke_run(cifar_image_folder, tmp_path_factory):
     """``python -m train.cifar --steps 3`` on the generated image folder, evaluating the 12 test
     images in batches of 5 so that the last one is padded."""
     workdir = tmp_path_factory.mktemp("smoke") / "run"
-    done = run_cli("train.cifar", *smoke_flags(smoke_data, workdir, "--steps", "3", "--eval-batch-size", "5"), home=smoke_data)
+    done = run_cli("train.cifar", *smoke_flags(cifar_image_folder, workdir, "--steps", "3", "--eval-batch-size", "5"), home=cifar_image_folder)
     return done, workdir
 
 
@@ -239,20 +224,20 @@ def _snapshot(workdir) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in sorted(workdir.rglob("*"))}
 
 
-def test_resume_keeps_settings_refuses_changes_and_knows_when_it_is_done(smoke_run, smoke_data, tmp_path):
+def test_resume_keeps_settings_refuses_changes_and_knows_when_it_is_done(smoke_run, cifar_image_folder, tmp_path):
     _, finished = smoke_run
     workdir = tmp_path / "run"
     shutil.copytree(finished, workdir)
     before = _snapshot(workdir)
-    changed = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--sparsity", "0.5", home=smoke_data)
+    changed = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--sparsity", "0.5", home=cifar_image_folder)
     assert changed.returncode == 2 and len(changed.stderr.splitlines()) == 1, changed.stderr
     assert "--sparsity 0.5 (the run has 0.7)" in changed.stderr
-    done = run_cli("train.cifar", "--workdir", str(workdir), "--resume", home=smoke_data)
+    done = run_cli("train.cifar", "--workdir", str(workdir), "--resume", home=cifar_image_folder)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert done.stdout == f"train.cifar: the run in {workdir} already finished at step 3; nothing to do (raise --epochs or --steps to train further)\n"
     assert _snapshot(workdir) == before  # neither touched anything
     # Only --resume and --steps: the run's sparsity 0.7 continues, not the default 0.
-    more = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--steps", "5", home=smoke_data)
+    more = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--steps", "5", home=cifar_image_folder)
     assert more.returncode == 0, more.stdout + more.stderr
     assert f"train.cifar: resuming {workdir} with its config.json, changing --steps 3 -> 5" in more.stdout
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -263,10 +248,10 @@ def test_resume_keeps_settings_refuses_changes_and_knows_when_it_is_done(smoke_r
     assert (saved["sparsity"], saved["steps"]) == (0.7, 5)
 
 
-def test_sigint_stops_within_a_step_with_a_checkpoint(smoke_data, tmp_path):
+def test_sigint_stops_within_a_step_with_a_checkpoint(cifar_image_folder, tmp_path):
     workdir = tmp_path / "run"
-    flags = smoke_flags(smoke_data, workdir)  # 100 epochs of 5 steps: far longer than the test
-    process = subprocess.Popen([sys.executable, "-m", "train.cifar", *flags], env=cli_env(smoke_data), cwd=ROOT,
+    flags = smoke_flags(cifar_image_folder, workdir)  # 100 epochs of 5 steps: far longer than the test
+    process = subprocess.Popen([sys.executable, "-m", "train.cifar", *flags], env=cli_env(cifar_image_folder), cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     lines = []
     while sum("kind=train" in line for line in lines) < 3:  # training is under way
@@ -308,15 +293,15 @@ def test_resnet_compression_flags():
     assert (config.model, config.compression, config.storage_dtype) == ("resnet50", "pool4", "int8")
 
 
-def test_resnet18_pool2_smoke_run_carries_batch_stats(smoke_data, tmp_path):
+def test_resnet18_pool2_smoke_run_carries_batch_stats(cifar_image_folder, tmp_path):
     """``--model resnet18 --compression pool2 --steps 2`` end to end (8 filters, batch 4): the
     checkpoint holds batch_stats, which training changed and evaluation used (resuming restores the
     state with the same ``Checkpoints.restore`` as below; resume itself is tested on ResMLP)."""
     workdir = tmp_path / "run"
-    flags = ["--data-dir", str(smoke_data), "--cache-dir", str(smoke_data / "cache"), "--workdir", str(workdir),
+    flags = ["--data-dir", str(cifar_image_folder), "--cache-dir", str(cifar_image_folder / "cache"), "--workdir", str(workdir),
              "--model", "resnet18", "--compression", "pool2", "--dim", "8", "--batch-size", "4",
              "--eval-batch-size", "6", "--log-every", "1"]  # fmt: skip
-    done = run_cli("train.cifar", *flags, "--steps", "2", home=smoke_data)
+    done = run_cli("train.cifar", *flags, "--steps", "2", home=cifar_image_folder)
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["memory", "train", "train", "eval"]

@@ -53,29 +53,14 @@ def test_bad_process_flags_exit_with_one_line_naming_the_flag(flags, message, ca
     assert capsys.readouterr().err == f"train.cifar: {message} (see --help)\n"
 
 
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory):
-    """A CIFAR-10-style image folder of 32x32 PNGs: 40 train (5 steps of 8), 12 test."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("multiprocess_data")
-    rng = np.random.default_rng(0)
-    for split, count in (("train", 40), ("test", 12)):
-        for i in range(count):
-            folder = root / "cifar10" / split / f"class{i % 10}"
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
-    return root
-
-
-def run_both_layouts(image_folder, tmp_path, *extra: str):
+def run_both_layouts(cifar_image_folder, tmp_path, *extra: str):
     """The same run as 1 process x 4 devices and 2 processes x 2 devices, side by side."""
     env = {**os.environ, "HOME": str(tmp_path / "home"), "TFDS_DATA_DIR": str(tmp_path / "tfds")}
     env.pop("BSR_JAX_CACHE", None)
 
     def run(layout: str):
         processes, devices = map(int, layout.split("x"))
-        flags = ["--data-dir", str(image_folder), "--cache-dir", str(image_folder / "cache"),
+        flags = ["--data-dir", str(cifar_image_folder), "--cache-dir", str(cifar_image_folder / "cache"),
                  "--workdir", str(tmp_path / layout), *TINY_RUN, *extra]  # fmt: skip
         return launch(["-m", "train.cifar", *flags], processes, devices, env=env, timeout_s=240)
 
@@ -97,8 +82,8 @@ def test_data_parallel_step_across_two_processes():
 
 
 @pytest.mark.slow  # 3 CLI processes side by side: 39-52 s on 2 busy cores
-def test_two_processes_match_one_process_with_the_same_devices(image_folder, tmp_path):
-    (single,), (first, second), single_dir, multi_dir = run_both_layouts(image_folder, tmp_path, "--steps", "5")
+def test_two_processes_match_one_process_with_the_same_devices(cifar_image_folder, tmp_path):
+    (single,), (first, second), single_dir, multi_dir = run_both_layouts(cifar_image_folder, tmp_path, "--steps", "5")
 
     records = [step_records(str(w)) for w in (single_dir, multi_dir)]
     assert [(r["kind"], r["step"]) for r in records[1]] == [(r["kind"], r["step"]) for r in records[0]]
@@ -117,9 +102,9 @@ def test_two_processes_match_one_process_with_the_same_devices(image_folder, tmp
 
 
 @pytest.mark.slow  # 3 runs of 2 processes: 80 s on 2 busy cores
-def test_resume_over_two_processes_continues_bit_for_bit(image_folder, tmp_path):
+def test_resume_over_two_processes_continues_bit_for_bit(cifar_image_folder, tmp_path):
     env = {**os.environ, "HOME": str(tmp_path / "home"), "TFDS_DATA_DIR": str(tmp_path / "tfds")}
-    flags = ["-m", "train.cifar", "--data-dir", str(image_folder), "--cache-dir", str(image_folder / "cache"), *TINY_RUN]
+    flags = ["-m", "train.cifar", "--data-dir", str(cifar_image_folder), "--cache-dir", str(cifar_image_folder / "cache"), *TINY_RUN]
 
     def run(workdir: str, *extra: str) -> None:
         for done in launch([*flags, "--workdir", str(tmp_path / workdir), *extra], 2, 2, env=env, timeout_s=240):
@@ -135,11 +120,11 @@ def test_resume_over_two_processes_continues_bit_for_bit(image_folder, tmp_path)
 
 
 @pytest.mark.slow  # 27 s on 2 busy cores
-def test_a_signal_to_one_process_stops_both_at_the_same_step(image_folder, tmp_path):
+def test_a_signal_to_one_process_stops_both_at_the_same_step(cifar_image_folder, tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     workdir = tmp_path / "run"
-    flags = ["--data-dir", str(image_folder), "--cache-dir", str(image_folder / "cache"), "--workdir", str(workdir),
+    flags = ["--data-dir", str(cifar_image_folder), "--cache-dir", str(cifar_image_folder / "cache"), "--workdir", str(workdir),
              *TINY_RUN, "--steps", "400", "--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]  # fmt: skip
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     processes = []
