@@ -93,8 +93,10 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="further train.cifar flags, after --")
     args = parser.parse_args()
     if not args.table_only:
+        # A checkpoint every epoch (390 steps of 128), so an interrupted session loses at most one.
+        extra = args.extra if "--checkpoint-every" in args.extra else ["--checkpoint-every", "390", *args.extra]
         grid = argparse.Namespace(root=args.root, data_dir=args.data_dir, model="resnet18", epochs=args.epochs,
-                                  seeds=[args.seed], configs=list(STUDY), extra=args.extra)  # fmt: skip
+                                  seeds=[args.seed], configs=list(STUDY), extra=extra)  # fmt: skip
         cifar_grid.run_grid(grid)
     print(accuracy_table(args.root, STUDY, args.seed)[1])
 
