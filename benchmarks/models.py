@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
-import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import flax.linen as nn
@@ -37,9 +36,9 @@ from bsr_jax import Pruning, Rule, compress_model
 from tests import third_party_models as tpm
 
 if __package__:
-    from benchmarks.run_info import run_metadata, write_json
+    from benchmarks.run_info import alternating_time_ratios, run_metadata, write_json
 else:  # run as a script
-    from run_info import run_metadata, write_json
+    from run_info import alternating_time_ratios, run_metadata, write_json
 
 MIB = 2**20
 BLOCK_CLASSES = {"mixer": "MixerBlock", "vit": "Encoder1DBlock", "lm": "EncoderDecoder1DBlock"}
@@ -101,19 +100,12 @@ def measure(name: str, c: tpm.Config, reps: int) -> list[dict]:
             steps[label] = jax.jit(jax.grad(loss)).lower(params, x).compile()
         rows.append(dict(model=name, strategy=label, act_mib=(res.activations + res.inputs) / MIB, flops=flops))
     dense = rows[0]
-    times = {label: [] for label in steps}
-    for _ in range(reps):  # alternate so that load on the machine hits every strategy alike
-        for label, compiled in steps.items():
-            jax.block_until_ready(compiled(params, x))
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(params, x))
-            times[label].append(time.perf_counter() - start)
+    timed = alternating_time_ratios({label: functools.partial(c, params, x) for label, c in steps.items()}, reps, "dense")
     for row in rows:
         row["act_ratio"] = row["act_mib"] / dense["act_mib"]
         row["flops_ratio"] = row["flops"] / dense["flops"]
-        ratios = [t / d for t, d in zip(times[row["strategy"]], times["dense"])]
-        row["step_ms"] = 1e3 * statistics.median(times[row["strategy"]])
-        row["time_ratio"] = statistics.median(ratios)
+        row["step_ms"] = 1e3 * timed[row["strategy"]]["seconds"]
+        row["time_ratio"] = timed[row["strategy"]]["ratio"]
     return rows
 
 

@@ -5,7 +5,9 @@ each configuration reports the final test accuracy (mean over seeds), the accura
 the gap to dense at epochs 3 and at the end, the residual activation memory of the tiny model
 (each run's memory record) and of ResMLP-S12 at CIFAR shapes (B=128; the run's pruning flags on
 the s12 preset, traced with ``residual_bytes``; nothing runs), and whether the configuration is on
-the front (no other configuration keeps at most as much ResMLP-S12 memory at higher accuracy).
+the front (no other configuration keeps at most as much ResMLP-S12 memory at higher accuracy),
+and the gradient-step time of each run's model and flags against dense's (``--step-reps`` steps
+each, timed alternately in this process: the runs' own images/s shared the CPU at varying load).
 Writes ``OUT/pareto.md``, ``OUT/pareto.json`` and ``OUT/pareto.png``.
 
     python -m benchmarks.pareto runs/long docs/results
@@ -13,15 +15,17 @@ Writes ``OUT/pareto.md``, ``OUT/pareto.json`` and ``OUT/pareto.png``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -32,25 +36,49 @@ from train.loop import create_model, loss_function  # noqa: E402
 
 if __package__:
     from benchmarks.grid_report import summarise
+    from benchmarks.run_info import alternating_time_ratios
 else:  # run as a script
     from grid_report import summarise
+    from run_info import alternating_time_ratios
 
 MIB = 2**20
 
 
-def s12_activation_mib(run_config: dict, batch: int = 128) -> float:
-    """Activation residual MiB of ResMLP-S12 (CIFAR shapes) under a run's pruning flags."""
+def _run_loss(run_config: dict, **overrides):
+    """``(loss(params, images, labels), params as ShapeDtypeStructs)`` of a run's config.json
+    settings (``overrides`` replace some, e.g. the model), with a fixed pruning key (stochastic
+    options: shapes and costs do not depend on it)."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: (tuple(map(tuple, v)) if k == "layer_sparsity" else v) for k, v in run_config.items() if k in fields}
-    config = dataclasses.replace(TrainConfig(**values), model="s12", dim=None, depth=None)
+    config = dataclasses.replace(TrainConfig(**values), **overrides)
     model = create_model(config, num_classes=10)
-    images = jax.ShapeDtypeStruct((batch, 32, 32, 3), jnp.float32)
-    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(images.shape))["params"])
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"])
     loss = loss_function(model, 10, config.label_smoothing, config.layer_sparsity)
-    rng = jax.random.key(0)  # stochastic pruning: the residuals' shapes do not depend on it
-    res = bsr_jax.residual_bytes(lambda p, x, y: loss(p, {"image": x, "label": y}, rng)[0], params, images, labels)
+    rng = jax.random.key(0)
+    return (lambda p, x, y: loss(p, {"image": x, "label": y}, rng)[0]), params
+
+
+def s12_activation_mib(run_config: dict, batch: int = 128) -> float:
+    """Activation residual MiB of ResMLP-S12 (CIFAR shapes) under a run's pruning flags."""
+    loss, params = _run_loss(run_config, model="s12", dim=None, depth=None)
+    images = jax.ShapeDtypeStruct((batch, 32, 32, 3), jnp.float32)
+    res = bsr_jax.residual_bytes(loss, params, images, jax.ShapeDtypeStruct((batch,), jnp.int32))
     return (res.activations + res.inputs) / MIB
+
+
+def step_time_ratios(run_configs: dict[str, dict], reps: int, batch: int = 128) -> dict[str, dict[str, float]]:
+    """Median gradient-step time of each run's own model and flags (the tiny preset, CIFAR batch
+    ``batch``) and its median ratio to the ``"dense"`` run's, timed alternately in this process."""
+    rng = np.random.default_rng(0)
+    images = jnp.asarray(rng.normal(size=(batch, 32, 32, 3)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, batch), jnp.int32)
+    steps = {}
+    for name, run_config in run_configs.items():
+        loss, shapes = _run_loss(run_config)
+        params = jax.tree.map(lambda s: jnp.asarray(rng.normal(scale=0.02, size=s.shape), s.dtype), shapes)
+        compiled = jax.jit(jax.grad(loss)).lower(params, images, labels).compile()
+        steps[name] = functools.partial(compiled, params, images, labels)
+    return alternating_time_ratios(steps, reps, "dense")
 
 
 def accuracy_at(row: dict, epoch: float) -> float | None:
@@ -66,11 +94,16 @@ def front(rows: list[dict]) -> None:
         )
 
 
-def main(root: str, out: str) -> list[dict]:
+def main(root: str, out: str, step_reps: int = 10) -> list[dict]:
     rows = summarise(root, [])
+    run_configs = {}
     for row in rows:
         with open(os.path.join(root, f"{row['config']}-seed0", "config.json")) as f:
-            row["s12_mib"] = s12_activation_mib(json.load(f)["config"])
+            run_configs[row["config"]] = json.load(f)["config"]
+        row["s12_mib"] = s12_activation_mib(run_configs[row["config"]])
+    timed = step_time_ratios(run_configs, step_reps) if step_reps else {}
+    for row in rows:
+        row["step_time_ratio"] = timed[row["config"]]["ratio"] if timed else None
     dense = next(r for r in rows if r["config"] == "dense")
     dense_epoch3 = accuracy_at(dense, 3.0)
     for row in rows:
@@ -81,14 +114,15 @@ def main(root: str, out: str) -> list[dict]:
     front(rows)
     fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
     lines = [
-        "| config | seeds | epochs | test acc | dense minus it | acc @3 | dense minus it @3 | tiny MiB | S12 MiB | S12 vs dense | front |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | seeds | epochs | test acc | dense minus it | acc @3 | dense minus it @3 | tiny MiB | S12 MiB | S12 vs dense | step time vs dense | front |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["s12_mib"]):
         lines.append(
             f"| {r['config']} | {r['seeds']} | {r['epochs']:.0f} | {r['final_accuracy']:.2%} | {100 * r['gap_final']:+.2f} pt "
             f"| {fmt(r['acc_epoch3'], '{:.2%}')} | {fmt(None if r['gap_epoch3'] is None else 100 * r['gap_epoch3'], '{:+.2f} pt')} "
-            f"| {fmt(r['residual_activation_mib'], '{:.1f}')} | {r['s12_mib']:.0f} | {r['s12_ratio']:.2f} | {'yes' if r['on_front'] else ''} |"
+            f"| {fmt(r['residual_activation_mib'], '{:.1f}')} | {r['s12_mib']:.0f} | {r['s12_ratio']:.2f} "
+            f"| {fmt(r['step_time_ratio'], '{:.2f}')} | {'yes' if r['on_front'] else ''} |"
         )
     table = "\n".join(lines) + "\n"
     os.makedirs(out, exist_ok=True)
@@ -114,6 +148,10 @@ def main(root: str, out: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m benchmarks.pareto RUNS_ROOT OUT_DIR")
-    main(sys.argv[1], sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help="the study's runs (benchmarks/cifar_grid.py --root)")
+    parser.add_argument("out", help="where pareto.md, pareto.json and pareto.png go")
+    parser.add_argument("--step-reps", type=int, default=10,
+                        help="alternating timed gradient steps per configuration, 0 to skip (default: %(default)s)")  # fmt: skip
+    args = parser.parse_args()
+    main(args.root, args.out, args.step_reps)

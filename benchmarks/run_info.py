@@ -1,4 +1,5 @@
-"""What every benchmark records next to its numbers: command, commit, machine, device, date."""
+"""What every benchmark records next to its numbers (command, commit, machine, device, date), and
+the one way benchmarks time steps against each other (alternating, on a shared machine)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -34,3 +39,22 @@ def write_json(path: str, meta: dict[str, str], payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(dict(meta=meta, **payload), f, indent=1)
     print(f"wrote {path}", file=sys.stderr)
+
+
+def alternating_time_ratios(steps: dict[str, Callable[[], Any]], reps: int, baseline: str) -> dict[str, dict[str, float]]:
+    """Times every step ``reps`` times, alternating between them so that load on a shared machine
+    hits each alike (each timed call follows an untimed warm one); returns per step the median
+    seconds and the median of its per-round ratio to ``baseline``'s."""
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(reps):
+        for label, step in steps.items():
+            jax.block_until_ready(step())
+            start = time.perf_counter()
+            jax.block_until_ready(step())
+            times[label].append(time.perf_counter() - start)
+    return {
+        label: dict(
+            seconds=statistics.median(ts), ratio=statistics.median(t / b for t, b in zip(ts, times[baseline]))
+        )
+        for label, ts in times.items()
+    }
