@@ -13,6 +13,10 @@ docs/results``; a test keeps the two equal), i.e.
 * accuracy: the tiny ResMLP trained 10 epochs on CIFAR-10; ``gap_points`` is dense minus the
   setting, in test-accuracy points, the mean over ``seeds`` seeds (a one-seed gap under about 0.3
   points is within seed noise).
+
+Step time is not a criterion: low-precision storage costs time where it is computed (on this
+project's CPU measurement, int8 1.23x and int4 1.64x dense's gradient step; docs/RESULTS.md
+section 9).
 """
 
 from __future__ import annotations
