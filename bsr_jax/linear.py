@@ -138,8 +138,10 @@ def pruned_dot_general(
             return _dot(x, w, config)
         return _pruned_dot(x, w, key, config)
 
-    if blocks is None and not pruning.saves_memory(merge_contracted(x, contracted)):
-        # Nothing to prune (e.g. sparsity 0): the plain product, left to XLA's own partitioning.
+    if blocks is None and not pruning.saves_memory(merge_contracted(x, contracted)) and not sharding.on_explicit_axes(x, w):
+        # Nothing to prune (e.g. sparsity 0): the plain product, left to XLA's own partitioning
+        # (on Explicit axes it goes through map_row_shards like the pruned op, which names the
+        # output placement those types demand, e.g. for a row-parallel layer).
         return _dot(x, w, _Config(pruning, backend, precision, dims, tuple(x.shape)))
     rows = tuple(f"row{i}" for i in range(x.ndim - contracted))
     ks = tuple(f"k{i}" for i in range(contracted))

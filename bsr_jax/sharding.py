@@ -65,6 +65,13 @@ def _mesh_of(arrays: Sequence[jax.Array]):
     return jax.sharding.get_abstract_mesh()
 
 
+def on_explicit_axes(*arrays: jax.Array) -> bool:
+    """Whether the arrays are placed on a mesh with Explicit axes (whose types demand that every
+    op name its output placement; ``map_row_shards`` does)."""
+    mesh = _mesh_of(arrays)
+    return not mesh.empty and AxisType.Explicit in mesh.axis_types
+
+
 def _spec_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 

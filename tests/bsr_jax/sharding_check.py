@@ -77,6 +77,10 @@ def check_linear(mesh, x_spec, w_spec, shards, declare=False, dy_spec=None):
     return hlo
 
 
+def place_on(mesh, a, spec):
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+
 def gathered_shapes(hlo: str) -> list[str]:
     return [line.split("=")[1].split("all-gather")[0].strip() for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
 
@@ -211,6 +215,19 @@ def main() -> int:
     mapped = jax.jit(jax.shard_map(local, mesh=data4, in_specs=(P("data"), P(), P("data")), out_specs=P()))
     dw = mapped(xs, ws, place(dy, P("data")))
     chex.assert_trees_all_close(np.asarray(dw), reference_grads(x, w, dy, 4)[2], **TOL)
+    # 7. Nothing to prune (sparsity 0) on Explicit axes with the contracted axis split on both sides
+    # (a row-parallel layer): the exact product, where a plain dot_general (nn.Dense) would raise.
+    x, w, dy = inputs()
+    row_parallel = (place_on(grid, x, P("data", None, "model")), place_on(grid, w, P("model")), place_on(grid, dy, P("data")))
+
+    def dense_vjp(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=bsr_jax.Pruning(0.0)), x, w)
+        return (y, *vjp(dy))
+
+    y, dx, dw = jax.jit(dense_vjp)(*row_parallel)
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
+    expected = (x64 @ w64, dy64 @ w64.T, x64.reshape(-1, K).T @ dy64.reshape(-1, N))
+    chex.assert_trees_all_close((np.asarray(y), np.asarray(dx), np.asarray(dw)), expected, **TOL)
     check_conv(data4, auto4, grid, auto_grid)
     print("4 devices: sharding checks passed")
     return 0
