@@ -38,6 +38,8 @@ COMPRESSIONS = tuple(POOLING_FACTORS)
 CRITERIA = ("l2", "l1")
 SELECTIONS = ("global", "column")
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
+ROUNDINGS = ("nearest", "stochastic")
+STOCHASTIC_ROUNDING_DTYPES = ("int8", "int4")
 BACKENDS = ("cpu", "xla", "pallas", "reference")
 # What a resumed run may change: where it stops, where its data and logs are, how it computes
 # dW (all backends agree to float rounding). --epochs also stretches the learning-rate schedule.
@@ -109,7 +111,8 @@ class TrainConfig:
     sparse_stem: bool = False
     sparse_head: bool = False
     prune_scale_shift: bool = False
-    storage_dtype: Literal["bfloat16", "int8", "float8_e4m3fn"] | None = None
+    storage_dtype: Literal["bfloat16", "float8_e4m3fn", "int8", "int4"] | None = None
+    rounding: Literal["nearest", "stochastic"] = "nearest"
     compression: Literal["pool2", "pool4"] | None = None
     stochastic: bool = False
     sparsity_warmup_epochs: float = 0.0
@@ -145,6 +148,10 @@ class TrainConfig:
             "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
             "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
             "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
+            "rounding": (
+                self.rounding == "nearest" or (self.rounding in ROUNDINGS and self.storage_dtype in STOCHASTIC_ROUNDING_DTYPES and self.compression is None),
+                f"one of {ROUNDINGS}; 'stochastic' needs --storage-dtype {' or '.join(STOCHASTIC_ROUNDING_DTYPES)} and no --compression",
+            ),
             "compression": (
                 self.compression is None
                 or (self.compression in COMPRESSIONS and self.model in RESNET_MODELS and self.sparsity == 0 and not self.stochastic),
@@ -274,6 +281,7 @@ _HELP = {
     "sparse_head": "also prune the classifier's input",
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
     "storage_dtype": "store kept blocks in lower precision (per-block scales for int8/float8), dequantized in backward",
+    "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",
     "compression": "ResNet only: keep the window means of every convolution's input for its weight gradient, "
     "2x2 (pool2) or 4x4 (pool4) windows (bsr_jax.Pooling; Barley & Froning 2024); --storage-dtype applies to them",
     "stochastic": "sample kept blocks with probability by magnitude and rescale them (unbiased weight gradients)",
@@ -318,6 +326,7 @@ def build_parser(
         "criterion": CRITERIA,
         "selection": SELECTIONS,
         "storage_dtype": STORAGE_DTYPES,
+        "rounding": ROUNDINGS,
         "backend": BACKENDS,
         "compression": COMPRESSIONS,
     }

@@ -243,7 +243,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         "image": jax.ShapeDtypeStruct(image_shape, jnp.float32, sharding=sharding.batch_sharding(mesh)),
         "label": jax.ShapeDtypeStruct(image_shape[:1], jnp.int32, sharding=sharding.batch_sharding(mesh)),
     }
-    rng_seed = config.seed if config.stochastic else None
+    rng_seed = config.seed if config.stochastic or config.rounding == "stochastic" else None
     warmup_steps = round(config.sparsity_warmup_epochs * steps_per_epoch)
 
     def compile_step(level: float):

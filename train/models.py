@@ -199,6 +199,7 @@ def config_pruning(config: TrainConfig, level: float = 1.0) -> bsr_jax.Pruning:
         selection=config.selection,
         storage_dtype=config.storage_dtype,
         stochastic=config.stochastic,
+        rounding=config.rounding,
     )
 
 
@@ -236,4 +237,4 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
 
 def dense_counterpart(config: TrainConfig) -> TrainConfig:
     """``config`` with nothing pruned or compressed: the baseline its residual memory is compared to."""
-    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, stochastic=False, compression=None)
+    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, rounding="nearest", stochastic=False, compression=None)

@@ -45,6 +45,8 @@ def test_option_lists_match_the_library_and_the_models():
     assert set(config_lib.STORAGE_DTYPES) == set(bsr_format.STORAGE_DTYPES)
     assert set(config_lib.CRITERIA) == set(bsr_format.CRITERIA)
     assert set(config_lib.SELECTIONS) == set(bsr_format.SELECTIONS)
+    assert set(config_lib.ROUNDINGS) == set(bsr_format.ROUNDINGS)
+    assert set(config_lib.STOCHASTIC_ROUNDING_DTYPES) == set(bsr_format.STOCHASTIC_ROUNDING_DTYPES)
     assert set(config_lib.BACKENDS) == set(backends.BACKENDS)
 
 

@@ -221,3 +221,28 @@ def test_residual_bytes_of_one_block(sparsity, prune_scale_shift):
 
     measured = [activations(2, b) - activations(1, b) for b in (8, 16)]
     assert measured[1] - measured[0] == block_bytes(16) - block_bytes(8)
+
+
+def test_rounding_flag_reaches_the_layers_and_draws_from_the_run_key(batch):
+    """``--storage-dtype int4 --rounding stochastic``: the run's Pruning rounds stochastically, so
+    the gradient depends on the pruning key (nearest rounding: it does not); without an int8/int4
+    storage dtype the flag is refused naming it."""
+    from train.config import TrainConfig, UsageError
+    from train.loop import create_model, loss_function
+    from train.models import config_pruning
+
+    images, labels = batch
+    with pytest.raises(UsageError, match="rounding must be .* needs --storage-dtype int8 or int4"):
+        TrainConfig(rounding="stochastic")
+    grads_by_key = {}
+    for rounding in ("nearest", "stochastic"):
+        config = TrainConfig(dim=16, depth=1, image_size=16, patch_size=4, storage_dtype="int4", rounding=rounding, prune_scale_shift=True)
+        assert config_pruning(config).rounding == rounding
+        model = create_model(config, 10)
+        params = model.init(jax.random.key(0), images)["params"]
+        loss = loss_function(model, 10, 0.0)
+        grad = jax.jit(jax.grad(lambda p, k: loss(p, {"image": images, "label": labels}, k)[0]))
+        grads_by_key[rounding] = [grad(params, jax.random.key(k)) for k in (1, 2)]
+    chex.assert_trees_all_equal(*grads_by_key["nearest"])
+    fc1 = [g["block0"]["fc1"]["kernel"] for g in grads_by_key["stochastic"]]
+    assert not np.allclose(*fc1), "stochastic rounding ignored the key"
