@@ -41,6 +41,9 @@ CONFIGS: dict[str, list[str]] = {
     # Quantize-only: every block of every parameter-gradient residual kept, in low precision.
     "all-s0-b16-int8": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8"],
     "all-s0-b16-int4": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int4"],
+    "all-s0-b16-int4-sr": [  # unbiased (stochastic) rounding of the int4 values
+        "--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int4", "--rounding", "stochastic",
+    ],
     "all-s0.5-b16-int8-stoch": [
         "--sparsity", "0.5", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8", "--stochastic",
     ],
