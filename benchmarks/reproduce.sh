@@ -26,6 +26,14 @@ python benchmarks/cifar_grid.py --data-dir "$data" --epochs "$epochs" --seeds 0 
 python -m benchmarks.sensitivity --run runs/cifar_grid/dense-seed0 --data-dir "$data" --prune-scale-shift
 python -m benchmarks.models --reps 15
 # Accuracy at memory (RESULTS "Accuracy at memory"): 10-epoch runs, then the Pareto front.
-python benchmarks/cifar_grid.py --root runs/long --data-dir "$data" --epochs 10 --seeds 0 \
-  --configs dense all-s0-b16-int8 all-s0-b16-int4 stoch-s0.7-b16 s0.7-b16 all-s0.5-b16-int8-stoch --out runs/long/report
-python -m benchmarks.pareto runs/long docs/results
+long() { python benchmarks/cifar_grid.py --root runs/long --data-dir "$data" --epochs 10 --out runs/long/report "$@" \
+  -- --checkpoint-every 390; }
+long --seeds 0 --configs dense all-s0-b16-int8 all-s0-b16-int4 stoch-s0.7-b16 s0.7-b16 all-s0.5-b16-int8-stoch
+long --seeds 1 --configs dense all-s0-b16-int4 all-s0-b16-int8
+python -m benchmarks.pareto runs/long docs/results --step-reps 10
+# Convolutions (RESULTS section 8): memory table, then ResNet-18 accuracy at equal epochs.
+python benchmarks/conv_memory.py
+python -m benchmarks.resnet_study --data-dir "$data"
+# Sharded jit on 4 host devices (docs/sharding.md), and 2 processes x 2 devices against 1 x 4.
+python -m benchmarks.sharding
+python -m benchmarks.multiprocess --data-dir "$data"
