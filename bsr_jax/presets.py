@@ -15,7 +15,7 @@ docs/results``; a test keeps the two equal), i.e.
   points is within seed noise).
 
 Step time is not a criterion: low-precision storage costs time where it is computed (on this
-project's CPU measurement, int8 1.23x and int4 1.64x dense's gradient step; docs/RESULTS.md
+project's CPU measurement, int8 1.27x and int4 1.63x dense's gradient step; docs/RESULTS.md
 section 9).
 """
 
@@ -43,6 +43,7 @@ MEASURED: tuple[Measured, ...] = (
     Measured("dense", Pruning(0.0), 1.0, 0.0, 1),
     Measured("all-s0-b16-int8", Pruning(0.0, block=16, storage_dtype="int8"), 0.466, 0.03, 1),
     Measured("all-s0-b16-int4", Pruning(0.0, block=16, storage_dtype="int4"), 0.377, -0.15, 1),
+    Measured("all-s0.5-b16-int8-stoch", Pruning(0.5, block=16, storage_dtype="int8", stochastic=True), 0.376, 1.64, 1),
 )
 
 
