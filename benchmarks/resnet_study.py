@@ -10,6 +10,8 @@ the dense run's final accuracy ("-": not reached; unfinished runs show the epoch
     python -m benchmarks.resnet_study --data-dir /work/shared/data/cifar10-jpg.tar.gz
     python -m benchmarks.resnet_study --table-only          # the table of what has run so far
 
+Both also write the table's rows to ``--out`` (``benchmarks/results/resnet_study.json``).
+
 Its width (``--dim 16`` in CONFIGS) and ``EPOCHS`` come from ``benchmarks/resnet_step_time.py``.
 """
 
@@ -22,15 +24,18 @@ from collections import defaultdict
 
 if __package__:
     from benchmarks import cifar_grid
+    from benchmarks.run_info import run_metadata, write_json
 else:  # run as a script
     import cifar_grid
+    from run_info import run_metadata, write_json
 
 STUDY = cifar_grid.RESNET_STUDY  # CONFIGS names; the first is the dense reference
 # ResNet-18 at --dim 16 took 0.7-1.2 s per step of 128 (benchmarks/results/resnet_step_time.json;
 # an earlier run of it 1.2-1.6 s; 2 cores shared with another training run and tests): 5-10 minutes
-# per epoch; a whole --steps 3 run (data, compilation, 3 steps, one evaluation of the 10k test
-# images) took 39 s. So 5 epochs fit the issue's ~60 minutes per configuration even at the slowest
-# figure. Full width (--dim 64) took 11.7-16.2 s per step (< 1 epoch an hour), --dim 32 2.9-5.5 s.
+# per epoch, so 5 epochs fit the issue's ~60 minutes per configuration even at the slowest figure.
+# Full width (--dim 64) took 11.7-16.2 s per step (< 1 epoch an hour), --dim 32 2.9-5.5 s. The study
+# itself then ran at 0.46-0.55 s per step (17-20 minutes per configuration, a niced ResMLP study
+# beside it): a longer schedule would fit the hour; ``--epochs N --root <new dir>`` runs one.
 EPOCHS = 5
 
 
@@ -90,6 +95,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per run, equal for all (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--table-only", action="store_true", help="only print the table of the runs that exist")
+    parser.add_argument("--out", default="benchmarks/results/resnet_study.json", help="the table's rows as JSON")
     parser.add_argument("extra", nargs="*", help="further train.cifar flags, after --")
     args = parser.parse_args()
     if not args.table_only:
@@ -98,7 +104,9 @@ def main() -> None:
         grid = argparse.Namespace(root=args.root, data_dir=args.data_dir, model="resnet18", epochs=args.epochs,
                                   seeds=[args.seed], configs=list(STUDY), extra=extra)  # fmt: skip
         cifar_grid.run_grid(grid)
-    print(accuracy_table(args.root, STUDY, args.seed)[1])
+    rows, table = accuracy_table(args.root, STUDY, args.seed)
+    print(table)
+    write_json(args.out, run_metadata(), dict(root=args.root, seed=args.seed, rows=rows))
 
 
 if __name__ == "__main__":
