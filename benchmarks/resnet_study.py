@@ -88,7 +88,7 @@ def accuracy_table(root: str, configs: tuple[str, ...] = STUDY, seed: int = 0) -
     return rows, "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default="runs/resnet18_study", help="one workdir per run below this (default: %(default)s)")
     parser.add_argument("--data-dir", help="passed to train.cifar --data-dir")
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true", help="only print the table of the runs that exist")
     parser.add_argument("--out", default="benchmarks/results/resnet_study.json", help="the table's rows as JSON")
     parser.add_argument("extra", nargs="*", help="further train.cifar flags, after --")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.table_only:
         # A checkpoint every epoch (390 steps of 128), so an interrupted session loses at most one.
         extra = args.extra if "--checkpoint-every" in args.extra else ["--checkpoint-every", "390", *args.extra]

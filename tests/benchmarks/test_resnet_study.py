@@ -47,3 +47,16 @@ def test_study_configs_are_resnet18_runs_of_the_grid():
     for name in resnet_study.STUDY:
         flags = cifar_grid.CONFIGS[name]
         assert flags[flags.index("--model") + 1] == "resnet18"
+
+
+def test_table_only_writes_the_rows_as_json(tmp_path, capsys):
+    dense, pool2, _ = resnet_study.STUDY
+    memory = {"residual_activation_mib": 64.0, "dense_residual_activation_mib": 200.0}
+    _write_run(tmp_path, dense, {**memory, "residual_activation_mib": 200.0}, [(1.0, 0.5), (2.0, 0.6), (3.0, 0.7)])
+    _write_run(tmp_path, pool2, memory, [(1.0, 0.4), (2.0, 0.64), (3.0, 0.65)])  # 90% of 0.7: 0.63
+    out = tmp_path / "study.json"
+    resnet_study.main(["--table-only", "--root", str(tmp_path), "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert [row["config"] for row in written["rows"]] == [dense, pool2]
+    assert written["rows"][1]["epochs_to_90pct_dense"] == 2.0 and written["rows"][1]["residual_vs_dense"] == 0.32
+    assert f"| {pool2} | 0.32 | 40.00% | 64.00% | 65.00% | 65.00% | 2 |" in capsys.readouterr().out
