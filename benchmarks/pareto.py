@@ -1,7 +1,8 @@
 """Accuracy at memory: the long-run CIFAR-10 study as a Pareto front (issue 15).
 
 Reads the finished runs under ROOT (``benchmarks/cifar_grid.py --root ROOT --epochs 10``), and for
-each configuration reports the final test accuracy (mean over seeds), the accuracy at epoch 3 and
+each configuration reports the final test accuracy (mean over seeds; "seed spread": max minus min
+of the seeds' final accuracies), the accuracy at epoch 3 and
 the gap to dense at epochs 3 and at the end, the residual activation memory of the tiny model
 (each run's memory record) and of ResMLP-S12 at CIFAR shapes (B=128; the run's pruning flags on
 the s12 preset, traced with ``residual_bytes``; nothing runs), and whether the configuration is on
@@ -114,12 +115,13 @@ def main(root: str, out: str, step_reps: int = 10) -> list[dict]:
     front(rows)
     fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
     lines = [
-        "| config | seeds | epochs | test acc | dense minus it | acc @3 | dense minus it @3 | tiny MiB | S12 MiB | S12 vs dense | step time vs dense | front |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | seeds | epochs | test acc | seed spread | dense minus it | acc @3 | dense minus it @3 | tiny MiB | S12 MiB | S12 vs dense | step time vs dense | front |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["s12_mib"]):
         lines.append(
-            f"| {r['config']} | {r['seeds']} | {r['epochs']:.0f} | {r['final_accuracy']:.2%} | {100 * r['gap_final']:+.2f} pt "
+            f"| {r['config']} | {r['seeds']} | {r['epochs']:.0f} | {r['final_accuracy']:.2%} "
+            f"| {fmt(100 * r['accuracy_spread'] if r['seeds'] > 1 else None, '{:.2f} pt')} | {100 * r['gap_final']:+.2f} pt "
             f"| {fmt(r['acc_epoch3'], '{:.2%}')} | {fmt(None if r['gap_epoch3'] is None else 100 * r['gap_epoch3'], '{:+.2f} pt')} "
             f"| {fmt(r['residual_activation_mib'], '{:.1f}')} | {r['s12_mib']:.0f} | {r['s12_ratio']:.2f} "
             f"| {fmt(r['step_time_ratio'], '{:.2f}')} | {'yes' if r['on_front'] else ''} |"
