@@ -47,7 +47,7 @@ def summarise(root: str, order: list[str]) -> list[dict]:
         if match and os.path.exists(os.path.join(root, entry, "metrics.jsonl")):
             run = load_run(os.path.join(root, entry))
             if is_finished(os.path.join(root, entry), run):
-                runs[match.group(1)].append(run)
+                runs[match.group(1)].append({**run, "seed": int(match.group(2))})
             else:
                 print(f"[report] {entry}: not finished, left out", file=sys.stderr)
     if "dense" not in runs:
@@ -72,6 +72,7 @@ def summarise(root: str, order: list[str]) -> list[dict]:
                 residual_activation_mib=memory.get("residual_activation_mib"),
                 compiled_peak_mib=memory.get("compiled_peak_mib"),
                 kept_block_fraction=memory.get("kept_block_fraction"),
+                seed_ids=[run["seed"] for run in seeds],
                 curves=[[(e["epoch"], e["test_accuracy"]) for e in run["eval"]] for run in seeds],
             )
         )
