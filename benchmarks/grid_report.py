@@ -34,7 +34,10 @@ def load_run(workdir: str) -> dict:
 
 
 def is_finished(workdir: str, run: dict) -> bool:
-    """The run evaluated after its last configured epoch (an unfinished run would mix epochs)."""
+    """The run evaluated after its last configured epoch (an unfinished run would mix epochs); a run
+    stopped before it wrote its config.json has not started."""
+    if not os.path.exists(os.path.join(workdir, "config.json")):
+        return False
     with open(os.path.join(workdir, "config.json")) as f:
         epochs = json.load(f)["config"]["epochs"]
     return bool(run["eval"]) and run["eval"][-1]["epoch"] >= epochs - 1e-9

@@ -16,7 +16,7 @@ docs/results``; a test keeps the two equal), i.e.
   points apart, so only same-seed gaps of a few tenths resolve anything.
 
 Step time is not a criterion: low-precision storage costs time where it is computed (on this
-project's CPU measurement, int8 1.27x and int4 1.63x dense's gradient step; docs/RESULTS.md
+project's CPU measurement, int8 1.18x and int4 1.59x dense's gradient step; docs/RESULTS.md
 section 9).
 """
 
@@ -41,9 +41,9 @@ class Measured:
 # Every residual of every layer (linear, Affine and LayerScale inputs) under one Pruning.
 # Pruning(0.0) without a storage dtype keeps x itself: the dense baseline.
 MEASURED: tuple[Measured, ...] = (
-    Measured("dense", Pruning(0.0), 1.0, 0.0, 1),
-    Measured("all-s0-b16-int8", Pruning(0.0, block=16, storage_dtype="int8"), 0.466, 0.03, 1),
-    Measured("all-s0-b16-int4", Pruning(0.0, block=16, storage_dtype="int4"), 0.377, -0.15, 1),
+    Measured("dense", Pruning(0.0), 1.0, 0.0, 2),
+    Measured("all-s0-b16-int8", Pruning(0.0, block=16, storage_dtype="int8"), 0.466, 0.0, 2),
+    Measured("all-s0-b16-int4", Pruning(0.0, block=16, storage_dtype="int4"), 0.377, -0.065, 2),
     Measured("all-s0.5-b16-int8-stoch", Pruning(0.5, block=16, storage_dtype="int8", stochastic=True), 0.376, 1.64, 1),
 )
 
