@@ -18,15 +18,14 @@ Its width (``--dim 16`` in CONFIGS) and ``EPOCHS`` come from ``benchmarks/resnet
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from collections import defaultdict
 
 if __package__:
-    from benchmarks import cifar_grid
+    from benchmarks import cifar_grid, grid_report
     from benchmarks.run_info import run_metadata, write_json
 else:  # run as a script
     import cifar_grid
+    import grid_report
     from run_info import run_metadata, write_json
 
 STUDY = cifar_grid.RESNET_STUDY  # CONFIGS names; the first is the dense reference
@@ -42,16 +41,12 @@ EPOCHS = 5
 def read_run(workdir: str) -> dict:
     """``{"evals": [(epoch, test accuracy), ...], "memory": the memory record or {}, "finished":
     evaluated after its last configured epoch}`` of one run."""
-    records = defaultdict(list)
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            records[record["kind"]].append(record)
-    with open(os.path.join(workdir, "config.json")) as f:
-        epochs = json.load(f)["config"]["epochs"]
-    evals = [(r["epoch"], r["test_accuracy"]) for r in records["eval"]]
-    finished = bool(evals) and evals[-1][0] >= epochs - 1e-9
-    return {"evals": evals, "memory": records["memory"][0] if records["memory"] else {}, "finished": finished}
+    run = grid_report.load_run(workdir)
+    return {
+        "evals": [(r["epoch"], r["test_accuracy"]) for r in run["eval"]],
+        "memory": run["memory"][0] if run["memory"] else {},
+        "finished": grid_report.is_finished(workdir, run),
+    }
 
 
 def accuracy_table(root: str, configs: tuple[str, ...] = STUDY, seed: int = 0) -> tuple[list[dict], str]:
