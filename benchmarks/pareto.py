@@ -145,7 +145,7 @@ def main(root: str, out: str, step_reps: int = 10) -> list[dict]:
     rows = summarise(root, [])
     run_configs = {}
     for row in rows:
-        with open(os.path.join(root, f"{row['config']}-seed0", "config.json")) as f:
+        with open(os.path.join(root, f"{row['config']}-seed{row['seed_ids'][0]}", "config.json")) as f:
             run_configs[row["config"]] = json.load(f)["config"]
         row["s12_mib"] = s12_activation_mib(run_configs[row["config"]])
     timed = step_time_ratios(run_configs, step_reps) if step_reps else {}
