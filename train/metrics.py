@@ -122,6 +122,15 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
+def say_from_signal_handler(text: str) -> None:
+    """``say`` for a signal handler: one unbuffered write to stdout's file descriptor. The handler
+    can run in the middle of a write to ``sys.stdout``, whose buffer then refuses a second
+    (reentrant) write with RuntimeError; on a terminal the line starts below the progress bar."""
+    if jax.process_index() != 0:
+        return
+    os.write(sys.stdout.fileno(), (("\n" if sys.stdout.isatty() else "") + text + "\n").encode())
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 

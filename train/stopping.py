@@ -40,7 +40,7 @@ class StopRequest:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signum
-        metrics.say(f"{signal.Signals(signum).name}: stopping after the step in flight, then saving a checkpoint "
+        metrics.say_from_signal_handler(f"{signal.Signals(signum).name}: stopping after the step in flight, then saving a checkpoint "
                     "(an evaluation under way is dropped and redone by --resume; a second signal quits at once, "
                     "without a checkpoint)")  # fmt: skip
 
