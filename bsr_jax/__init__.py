@@ -8,7 +8,8 @@ from bsr_jax.layers import Affine, Dense, LayerScale
 from bsr_jax.lean import lean_neighbours
 from bsr_jax.linear import bsr_linear
 from bsr_jax.pooling import Pooling
-from bsr_jax import presets
+# Submodules the README uses as attributes (bsr_jax.schedules.layer_sparsity, ...); each costs ~1 ms.
+from bsr_jax import presets, quantize, schedules, sensitivity, sharding
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
 from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, program_order_peak, remat_policy, residual_bytes
@@ -18,6 +19,10 @@ __all__ = [
     "Conv",
     "Pooling",
     "presets",
+    "quantize",
+    "schedules",
+    "sensitivity",
+    "sharding",
     "compressed_conv",
     "Affine",
     "LayerPlan",
