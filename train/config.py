@@ -19,32 +19,12 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from train import run_dir
-
-DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
-OPTIMIZERS = ("adamw", "lamb")
-DTYPES = ("float32", "bfloat16")
-AUGMENTS = ("cifar", "imagenet", "none")
-# The names of train.models.PRESETS and the library's option lists (bsr_jax.format's CRITERIA,
-# SELECTIONS, STORAGE_DTYPES, bsr_jax.backends.BACKENDS), repeated so that flags are checked
-# without importing JAX; tests/train/test_cli.py checks that they match.
-RESMLP_MODELS = ("tiny", "s12", "s24", "b24")
-RESNET_MODELS = ("resnet18", "resnet50")  # train.resnet.PRESETS
-MODELS = RESMLP_MODELS + RESNET_MODELS
-# ResMLP-only settings: a ResNet run must leave them at their defaults.
-RESMLP_ONLY = ("depth", "sparse_stem", "sparse_head", "prune_scale_shift", "layer_sparsity")
-# --compression: window side of bsr_jax.Pooling on every ResNet convolution's input.
-POOLING_FACTORS = {"pool2": 2, "pool4": 4}
-COMPRESSIONS = tuple(POOLING_FACTORS)
-CRITERIA = ("l2", "l1")
-SELECTIONS = ("global", "column")
-STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
-ROUNDINGS = ("nearest", "stochastic")
-STOCHASTIC_ROUNDING_DTYPES = ("int8", "int4")
-BACKENDS = ("cpu", "xla", "pallas", "reference")
-# What a resumed run may change: where it stops, where its data and logs are, how it computes
-# dW (all backends agree to float rounding). --epochs also stretches the learning-rate schedule.
-RESUME_OVERRIDES = ("steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
-                    "data_dir", "cache_dir", "backend")  # fmt: skip
+# The option lists are re-exported: callers and tests find every flag's allowed values here.
+from train.options import (  # noqa: F401
+    AUGMENTS, BACKENDS, COMPRESSIONS, CRITERIA, DATASETS, DTYPES, HELP, MODELS, OPTIMIZERS, POOLING_FACTORS,
+    RESMLP_MODELS, RESMLP_ONLY, RESNET_MODELS, RESUME_OVERRIDES, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES,
+    STORAGE_DTYPES,
+)
 
 
 class UsageError(ValueError):
@@ -159,7 +139,12 @@ class TrainConfig:
             ),
             "sparsity_warmup_epochs": (self.sparsity_warmup_epochs >= 0, ">= 0"),
             "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
-            "image_size": (self.image_size >= 1 and self.image_size % self.patch_size == 0, "a multiple of patch_size"),
+            "image_size": (self.image_size >= 1, ">= 1"),
+            # ResMLP cuts the image into patches; ResNet has none.
+            "patch_size": (
+                self.patch_size >= 1 and (self.model in RESNET_MODELS or self.image_size % self.patch_size == 0),
+                f">= 1 and divide --image-size {self.image_size}",
+            ),
             "epochs": (self.epochs >= 1, ">= 1"),
             "batch_size": (self.batch_size >= 1, ">= 1"),
             "eval_batch_size": (self.eval_batch_size >= 1, ">= 1"),
@@ -258,55 +243,6 @@ IMAGENET_DEFAULTS = TrainConfig(
     checkpoint_every=2000,
 )
 
-_HELP = {
-    "dataset": "dataset name; 'imagefolder' reads any <root>/{train,test}/<class>/<image> tree in --data-dir",
-    "data_dir": "file or directory holding the data (archive, extracted folder or a tfds data_dir); default: "
-    "tfds' manual dir and data dir, then <cache dir>/downloads, where CIFAR is downloaded if missing",
-    "cache_dir": "where decoded uint8 arrays are cached; default $BSR_JAX_CACHE or ~/.cache/bsr_jax",
-    "image_size": "model input side in pixels",
-    "augment": "training augmentation: 'cifar' pad-4 random crop + flip, 'imagenet' random resized crop + flip",
-    "model": "ResMLP preset (tiny: dim 128 depth 4; s12: 384x12; s24: 384x24; b24: 768x24) or ResNet v1.5 "
-    "(resnet18, resnet50; BatchNorm; 3x3 stem for images up to 64 px, else the 7x7 ImageNet stem)",
-    "patch_size": "side of the square patches (ResMLP)",
-    "dim": "override the preset's channels per token (ResNet: filters of the stem and first stage, default 64)",
-    "depth": "override the preset's number of blocks (ResMLP)",
-    "dtype": "computation dtype (params and optimizer state stay float32)",
-    "sparsity": "fraction of activation blocks dropped from the weight-gradient residuals (0 = dense); "
-    "ResNet: every convolution's input as (N*H*W, C) blocks",
-    "block": "square block side of the pruning",
-    "criterion": "block magnitude used for ranking",
-    "selection": "'global': largest blocks of the whole tensor; 'column': same number per block-column",
-    "backend": "dW backend (cpu, xla, pallas, reference); default: $BSR_JAX_BACKEND or the platform's",
-    "sparse_stem": "also prune the patch embedding's input",
-    "sparse_head": "also prune the classifier's input",
-    "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
-    "storage_dtype": "store kept blocks in lower precision (per-block scales for int8/float8), dequantized in backward",
-    "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",
-    "compression": "ResNet only: keep the window means of every convolution's input for its weight gradient, "
-    "2x2 (pool2) or 4x4 (pool4) windows (bsr_jax.Pooling; Barley & Froning 2024); --storage-dtype applies to them",
-    "stochastic": "sample kept blocks with probability by magnitude and rescale them (unbiased weight gradients)",
-    "sparsity_warmup_epochs": "ramp every layer's sparsity from 0 to its target over this many epochs, in 4 stairs",
-    "layer_sparsity": "PATTERN=VALUE, repeatable: layers whose module path matches PATTERN (fnmatch, e.g. "
-    "'block*/fc2' or 'block0/*') use sparsity VALUE; first match wins; applies to every bsr_jax layer, "
-    "Affine/LayerScale/stem/head included",
-    "optimizer": "optimizer (decoupled weight decay on kernels only)",
-    "lr": "peak learning rate",
-    "min_lr": "final learning rate of the cosine decay",
-    "weight_decay": "weight decay on kernels (none on biases, Affine and LayerScale)",
-    "warmup_epochs": "linear warmup length in epochs (capped at 20%% of the run)",
-    "label_smoothing": "label smoothing of the cross-entropy",
-    "epochs": "epochs; the learning-rate schedule spans all of them",
-    "batch_size": "global training batch, split over all devices",
-    "eval_batch_size": "global evaluation batch",
-    "seed": "seed of initialisation, data order and augmentation",
-    "steps": "stop after this many steps in total (quick runs); the schedule still spans --epochs",
-    "log_every": "steps between metric lines",
-    "checkpoint_every": "steps between checkpoints (one is also written at the end and on SIGINT/SIGTERM)",
-    "keep_checkpoints": "checkpoints kept in WORKDIR/checkpoints",
-    "resume": "continue the run in --workdir from its last checkpoint with its config.json (same data order, "
-    "bit-for-bit); other flags must match it, except "
-    + ", ".join(_flag(n) for n in RESUME_OVERRIDES),
-}
 
 
 def build_parser(
@@ -330,17 +266,17 @@ def build_parser(
         "backend": BACKENDS,
         "compression": COMPRESSIONS,
     }
-    parser.add_argument("--layer-sparsity", type=_layer_rule, action="append", default=list(defaults.layer_sparsity),
-                        metavar="PATTERN=VALUE", help=_HELP["layer_sparsity"])
     for field in dataclasses.fields(TrainConfig):
         default = getattr(defaults, field.name)
         if field.name == "layer_sparsity":
+            parser.add_argument("--layer-sparsity", type=_layer_rule, action="append", default=list(default),
+                                metavar="PATTERN=VALUE", help=HELP["layer_sparsity"])  # fmt: skip
             continue
         if field.type == "bool":
-            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=default, help=_HELP[field.name])
+            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=default, help=HELP[field.name])
             continue
         kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
-        parser.add_argument(_flag(field.name), type=kind, default=default, choices=choices.get(field.name), help=_HELP[field.name])
+        parser.add_argument(_flag(field.name), type=kind, default=default, choices=choices.get(field.name), help=HELP[field.name])
     _add_process_flags(parser)
     return parser
 
@@ -393,6 +329,9 @@ def parse(
         given.pop(field.name)
     given = {n: tuple(v) if n == "layer_sparsity" else v for n, v in given.items() if v is not _NOT_GIVEN and v != []}
     saved = run_dir.read_saved(workdir) if given.get("resume") else None
+    if given.get("resume") and saved is None:  # a mistyped --workdir would otherwise train from step 0
+        parser.error(f"argument --resume: nothing to resume in {workdir}: it has no config.json; "
+                     "pass the --workdir of an earlier run, or drop --resume")  # fmt: skip
     try:
         if saved is None:
             return dataclasses.replace(defaults, **given), workdir, []
