@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from train import augment as aug
 from train.data_cache import CacheWriter, CachedSplit, cache_name, read_cache, resolve_cache_dir
-from train.data_decode import CHUNK, Chunk, decode_chunks, stored_size
+from train.data_decode import CHUNK, Chunk, MixedSizes, decode_chunks, stored_size
 from train.data_sources import (
     ILSVRC_TARS, SPLIT_DIRS, DataError, Source, find_local_source, not_found_message, read_source, tfds_data_dir,
 )
@@ -151,11 +151,12 @@ def load_split(
             try:
                 source = Source("cifar_python", download_cifar(dataset, downloads))
             except DataError as error:
-                raise DataError(f"{error}. Without network, download it elsewhere and pass --data-dir "
-                                f"with the file (or set ${MIRROR_VAR} to a mirror)") from None  # fmt: skip
+                raise DataError(f"{error}\n  Without network, download {CIFAR_ARCHIVES[dataset][1]} elsewhere and pass it as "
+                                "--data-dir, or an image folder train/<class>/*.jpg, test/<class>/*.jpg (a directory "
+                                f"or .tar); or set ${MIRROR_VAR} to a mirror") from None  # fmt: skip
         if source is None:
             reason = f"no {tfds_dir}" if has_tfds else "tensorflow-datasets is not installed"
-            raise DataNotFoundError(not_found_message(dataset, split, looked, reason, downloadable=dataset in CIFAR_ARCHIVES))
+            raise DataNotFoundError(not_found_message(dataset, split, data_dir, looked, reason, downloadable=dataset in CIFAR_ARCHIVES))
         cached = _load_local(source, dataset, split, image_size, cache_root)
     mean, std = MEAN_STD[dataset]
     return ArrayDataset(cached.images, cached.labels, cached.meta["num_classes"], mean, std)
@@ -178,6 +179,9 @@ def _load_local(
         except _UNREADABLE as error:
             raise DataError(f"cannot read {source.path}: {type(error).__name__}: {error} "
                             "(a truncated or corrupt file? replace it, or point --data-dir elsewhere)") from None  # fmt: skip
+        except MixedSizes as error:  # without image_size, which train.loop passes unless the flags below are missing
+            raise DataError(f"{error} in {source.path}, which --augment cifar and the CIFAR datasets keep as stored; "
+                            "to resize them all to N x N, pass --dataset imagefolder --augment imagenet (or none) --image-size N") from None  # fmt: skip
         cached = read_cache(cache_root, name)
     if cached is None:
         if source.kind == "ilsvrc":
@@ -229,7 +233,7 @@ def _load_tfds(
         source = tfds.data_source(dataset, split=tfds_split, data_dir=data_dir, download=False)
     except Exception as error:  # noqa: BLE001 - tfds raises many types; all mean "not available here"
         reason = _tfds_reason(tfds, dataset, data_dir, error)
-        raise DataNotFoundError(not_found_message(dataset, split, looked, reason, downloadable=dataset in CIFAR_ARCHIVES)) from None
+        raise DataNotFoundError(not_found_message(dataset, split, data_dir, looked, reason, downloadable=dataset in CIFAR_ARCHIVES)) from None
     info = source.dataset_info
     where = str(info.data_dir)
     paths = sorted(os.path.join(where, n) for n in os.listdir(where)) if os.path.isdir(where) else []

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from train.data_decode import MixedSizes
+
 CACHE_ENV_VAR = "BSR_JAX_CACHE"
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "bsr_jax")
 _FORMAT_VERSION = 1
@@ -96,10 +98,7 @@ class CacheWriter:
         if self._image_shape is None:
             self._image_shape = images.shape[1:]
         elif images.shape[1:] != self._image_shape:
-            raise ValueError(
-                f"images of one split have different sizes {self._image_shape[:2]} and "
-                f"{images.shape[1:3]}; pass image_size to resize them to a common size"
-            )
+            raise MixedSizes([self._image_shape[:2], images.shape[1:3]])
         self._images.write(np.ascontiguousarray(images, dtype=np.uint8).tobytes())
         self._label_keys.extend(label_keys)
 

@@ -21,6 +21,15 @@ def stored_size(image_size: int | None) -> int | None:
     return None if image_size is None else int(round(image_size * STORE_RATIO))
 
 
+class MixedSizes(ValueError):
+    """Images of one split differ in size and no size to resize them to was given; ``sizes``:
+    two of the (H, W) found."""
+
+    def __init__(self, sizes: list[tuple[int, int]]):
+        self.sizes = sizes
+        super().__init__(f"images have different sizes {' and '.join(f'{h}x{w}' for h, w in sizes)}")
+
+
 @dataclasses.dataclass
 class Chunk:
     """Up to CHUNK examples of one split. images: list of encoded bytes or uint8 (H, W, 3) arrays,
@@ -42,9 +51,9 @@ def decode_images(images: Any, size: int | None) -> np.ndarray:
     if isinstance(images, np.ndarray) and size is None:
         return images.astype(np.uint8, copy=False)
     decoded = [_decode_one(image, size) for image in images]
-    shapes = sorted({a.shape for a in decoded})
+    shapes = sorted({a.shape[:2] for a in decoded})
     if len(shapes) > 1:
-        raise ValueError(f"images have different sizes {shapes[:3]}; pass image_size to resize them")
+        raise MixedSizes(shapes[:2])
     return np.stack(decoded)
 
 

@@ -150,22 +150,30 @@ def _find_in(dataset: str, root: str, looked: list[str]) -> Source | None:
     return None
 
 
-def not_found_message(dataset: str, split: str, looked: list[str], tfds_reason: str, downloadable: bool) -> str:
-    """One paragraph: where `dataset` was looked for, why tfds had nothing, and how to provide it."""
-    cifar = "the {} python archive {} (https://www.cs.toronto.edu/~kriz/cifar.html), its directory or {}/, "
+def not_found_message(dataset: str, split: str, data_dir: str | None, looked: list[str], tfds_reason: str, downloadable: bool) -> str:
+    """The cause on a short first line, then how to provide the data, then every place looked at
+    and why tfds had nothing (lines a user reads only when the first does not say enough)."""
+    if data_dir is None:
+        cause = f"No {dataset} '{split}' data in tfds' manual dir or the download directory"
+    elif not os.path.exists(os.path.expanduser(data_dir)):
+        cause = f"No {dataset} '{split}' data: --data-dir {data_dir} does not exist"
+    else:
+        cause = f"No {dataset} '{split}' data found in --data-dir {data_dir}"
+    cifar = "the {} python archive {} (https://www.cs.toronto.edu/~kriz/cifar.html) or its extracted {}/, "
     provide = {
-        "cifar10": cifar.format("CIFAR-10", "cifar-10-python.tar.gz", "its extracted cifar-10-batches-py"),
-        "cifar100": cifar.format("CIFAR-100", "cifar-100-python.tar.gz", "its extracted cifar-100-python"),
+        "cifar10": cifar.format("CIFAR-10", "cifar-10-python.tar.gz", "cifar-10-batches-py"),
+        "cifar100": cifar.format("CIFAR-100", "cifar-100-python.tar.gz", "cifar-100-python"),
         "imagenet2012": "a directory holding ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
         "(tfds' manual_dir layout; <dir>/downloads/manual also works), ",
         "imagefolder": "",
     }[dataset]
-    download = " (without --data-dir, CIFAR is downloaded)" if downloadable else ""
+    download = "; without --data-dir, CIFAR is downloaded" if downloadable else ""
     return (
-        f"No {dataset} '{split}' data found. Looked at: {'; '.join(looked)}; tfds: {tfds_reason}. "
-        f"To provide it, pass --data-dir with {provide}or an image folder <root>/train/<class>/*.jpg and "
+        f"{cause}.\n"
+        f"  To provide it, pass --data-dir with {provide}or an image folder <root>/train/<class>/*.jpg and "
         f"<root>/test/<class>/*.jpg as a directory or a .tar/.tar.gz archive (<root> may be one level down "
-        f"inside it; labels are the alphabetical class index){download}."
+        f"inside it; labels are the alphabetical class index){download}.\n"
+        f"  Looked at: {'; '.join(looked)}; tfds: {tfds_reason}."
     )
 
 
