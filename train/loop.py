@@ -10,7 +10,8 @@ printed and appended as JSON lines to ``WORKDIR/metrics.jsonl``:
 * ``{"kind": "memory", ...}`` once: residual activation MiB per device (``bsr_jax.residual_bytes``
   of the loss at the per-device batch; what the backward pass keeps), the compiled step's peak and
   temporaries (XLA ``memory_analysis``; on CPU a secondary figure, see docs/memory.md), and the
-  fraction of activation blocks the pruned layers really keep (capacities round up);
+  fraction of activation blocks the pruned layers really keep (capacities round up; absent for
+  pooled convolutions, which keep no blocks);
 * ``{"kind": "train", ...}`` every ``log_every`` steps: loss, accuracy, gradient norm, learning
   rate, step time, images/s, and the device's peak bytes where the backend reports them (GPU);
 * ``{"kind": "eval", ...}`` after every epoch and at the end: test loss and accuracy.
@@ -42,7 +43,7 @@ from train import data, metrics, run_dir, sharding, stopping
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
 from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
-from train.models import create_model, dense_counterpart, predict
+from train.models import check_layer_rules, create_model, dense_counterpart, predict
 
 # {"step": int32 (), "params": pytree, "opt_state": pytree}, plus "batch_stats" for BatchNorm models.
 State = dict[str, Any]
@@ -204,6 +205,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         conflicts = config.resume_conflicts(TrainConfig.from_json(saved["config"]))
         if conflicts:
             raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
+    check_layer_rules(config)  # before the data: a typo should not wait for a download
     mesh = sharding.make_mesh()
     for name, size in (("batch_size", config.batch_size), ("eval_batch_size", config.eval_batch_size)):
         if size % mesh.devices.size:
@@ -222,6 +224,9 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     if crop is None and stored != (config.image_size, config.image_size):
         raise UsageError(f"image_size is {config.image_size} but the {config.dataset} images are {stored[0]}x{stored[1]} "
                          "and augment 'cifar' keeps their size: pass --image-size to match, or --augment imagenet")  # fmt: skip
+    if config.batch_size > len(train_data):
+        raise UsageError(f"--batch-size {config.batch_size} is more than the {len(train_data)} training images: "
+                         f"it must be in [1, {len(train_data)}]")  # fmt: skip
     steps_per_epoch = data.steps_per_epoch(train_data, config.batch_size)
     os.makedirs(workdir, exist_ok=True)  # only now: a run without data leaves nothing behind
     total_steps = config.epochs * steps_per_epoch
@@ -314,7 +319,10 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
                 timer.restart()
             else:
                 timer.steps += 1
-            bar.set_postfix(loss=f"{interval[-1]['loss']:.3f}", images_per_s=f"{timer.images_per_s(config.batch_size):.0f}", refresh=False)
+            shown = {"loss": f"{interval[-1]['loss']:.3f}"}
+            if timer.steps:  # the first step, which compiles, is not timed
+                shown["images_per_s"] = f"{timer.images_per_s(config.batch_size):.0f}"
+            bar.set_postfix(shown, refresh=False)
             bar.update(1)
             signalled = stop.agreed() is not None
             if step % config.log_every == 0 or eval_due(step) or signalled:

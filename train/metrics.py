@@ -6,7 +6,8 @@ Memory figures are per device and computed from shapes, before the first step:
 shrink); ``compiled_peak_mib``/``compiled_temp_mib`` come from XLA's ``memory_analysis`` of the
 compiled step (on CPU a secondary figure, see docs/memory.md); ``kept_block_fraction`` is the
 fraction of activation blocks the pruned layers really keep (capacities round up, at least one
-block); ``dense_residual_activation_mib`` is the residual figure with nothing pruned.
+block; absent where layers are compressed without blocks, as pooled convolutions are);
+``dense_residual_activation_mib`` is the residual figure with nothing pruned.
 On GPU/TPU, train records add ``device_peak_mib`` from the device's memory stats.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -34,21 +36,23 @@ MIB = 2**20
 
 def kept_block_fraction(
     model: nn.Module, params: Any, images: jax.ShapeDtypeStruct, rules: Any = (), batch_stats: Any = None
-) -> float:
-    """Kept / total blocks over all block-pruned layers' inputs at this batch shape (1.0 if none is
-    pruned; pooled convolutions are not block-pruned), under the per-layer sparsity ``rules`` the
-    loss uses. ``batch_stats``: a BatchNorm model's statistics (traced in evaluation mode)."""
+) -> float | None:
+    """Kept / total blocks over all block-pruned layers' inputs at this batch shape, under the
+    per-layer sparsity ``rules`` the loss uses: 1.0 when nothing is compressed (every block kept),
+    None when layers are compressed without blocks (pooled convolutions). ``batch_stats``: a
+    BatchNorm model's statistics (traced in evaluation mode)."""
     kept, total = 0, 0
     variables = {"params": params} if batch_stats is None else {"params": params, "batch_stats": batch_stats}
     with layer_sparsity(rules):
         plan = bsr_jax.pruning_plan(lambda v, x: predict(model, v, x), variables, images)
-    for layer in plan:
-        if not isinstance(layer.compression, bsr_jax.Pruning):
-            continue
+    pruned = [layer for layer in plan if isinstance(layer.compression, bsr_jax.Pruning)]
+    if not pruned:
+        return None if plan else 1.0
+    for layer in pruned:
         stored = layer.compression.stored_shape(layer.input)
         kept += stored.capacity
         total += math.prod(stored.grid)
-    return kept / total if total else 1.0
+    return kept / total
 
 
 def memory_report(
@@ -73,15 +77,16 @@ def memory_report(
         return (kept.activations + kept.inputs) / MIB
 
     compiled = bsr_jax.CompiledMemory.of(compiled_step)
-    return {
+    report = {
         "kind": "memory",
         "per_device_batch": per_device[0],
         "residual_activation_mib": residual_mib(loss_fn),
         "dense_residual_activation_mib": residual_mib(dense_loss_fn),
         "compiled_peak_mib": compiled.peak / MIB,
         "compiled_temp_mib": compiled.temp / MIB,
-        "kept_block_fraction": kept_block_fraction(model, params, images, rules, batch_stats),
     }
+    kept = kept_block_fraction(model, params, images, rules, batch_stats)
+    return report if kept is None else {**report, "kept_block_fraction": kept}
 
 
 def device_peak_mib() -> float | None:
@@ -201,7 +206,7 @@ def run_summary(
     }
     status = f"{step} of {stop_step}"
     if stopped_by is not None:
-        status += f", stopped by signal {stopped_by}: continue with --resume"
+        status += f", stopped by {signal.Signals(stopped_by).name}: continue with --resume"
     accuracy = "not evaluated yet"
     if evals:
         accuracy = (f"{summary['final_test_accuracy']:.4f} final, {summary['best_test_accuracy']:.4f} best "

@@ -25,7 +25,9 @@ linear layers' residuals.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +37,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import bsr_jax
-from train.config import POOLING_FACTORS, TrainConfig
+from bsr_jax.schedules import prunable_layer_paths
+from train.config import POOLING_FACTORS, TrainConfig, UsageError
 from train.resnet import PRESETS as RESNET_PRESETS
 from train.resnet import ResNet, compression_rules
 
@@ -233,6 +236,29 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
         dtype=dtype,
         **preset,
     )
+
+
+def check_layer_rules(config: TrainConfig) -> None:
+    """Refuse a ``--layer-sparsity`` pattern that matches no layer of the model (as
+    ``bsr_jax.compress_model`` refuses an unmatched rule): a typo would otherwise train silently at
+    the global sparsity. Traces the model's init once (nothing runs)."""
+    if not config.layer_sparsity:
+        return
+    images = jax.ShapeDtypeStruct((1, config.image_size, config.image_size, 3), jnp.float32)
+    paths = prunable_layer_paths(create_model(config, num_classes=1).init, jax.random.key(0), images)
+    for pattern, sparsity in config.layer_sparsity:
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
+            raise UsageError(f"--layer-sparsity {pattern}={sparsity}: {pattern!r} matches no layer of the {config.model} model, "
+                             f"whose layer paths are {_folded(paths)}")  # fmt: skip
+
+
+def _folded(paths: list[str]) -> str:
+    """``block0/fc1, block1/fc1`` as ``block{0..1}/fc1``: a deep model's paths stay one short line."""
+    groups: dict[str, list[int]] = {}
+    for path in paths:
+        first = re.search(r"\d+", path)
+        groups.setdefault(re.sub(r"\d+", "#", path, count=1), []).append(int(first.group()) if first else 0)
+    return ", ".join(shape.replace("#", f"{{{min(ns)}..{max(ns)}}}" if len(ns) > 1 else str(ns[0]), 1) for shape, ns in groups.items())
 
 
 def dense_counterpart(config: TrainConfig) -> TrainConfig:
