@@ -70,6 +70,14 @@ def test_help_documents_every_flag_with_its_default(defaults):
     assert f"(default: {defaults.model})" in flat and f"(default: {defaults.batch_size})" in flat
 
 
+def test_help_keeps_the_pruning_flags_together_and_lists_every_storage_dtype():
+    text = " ".join(config_lib.build_parser("train.x", "doc", CIFAR_DEFAULTS).format_help().split())
+    options = text[text.index("options:"):]
+    order = [options.index(f) for f in ("--no-stochastic ", "--sparsity-warmup-epochs ", "--layer-sparsity ", "--optimizer ")]
+    assert order == sorted(order)
+    assert f"lower precision ({', '.join(config_lib.STORAGE_DTYPES)})" in text and "int4" in config_lib.STORAGE_DTYPES
+
+
 def test_flags_become_the_frozen_config():
     config, workdir, notes = config_lib.parse(
         "train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS,
@@ -167,9 +175,9 @@ def test_download_failure_is_one_line_and_leaves_no_checkpoints(tmp_path):
     done = run_cli("train.cifar", "--sparsity", "0.7", "--workdir", str(tmp_path / "run"), home=tmp_path, BSR_JAX_CIFAR_MIRROR=mirror)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
-    assert len(lines) == 1, done.stderr
+    assert len(lines) == 2, done.stderr
     assert lines[0].startswith(f"train.cifar: could not download CIFAR-10 from {mirror}cifar-10-python.tar.gz: ")
-    assert "--data-dir" in lines[0]
+    assert "--data-dir" in lines[1] and "image folder train/<class>/*.jpg" in lines[1]
     assert not (tmp_path / "run").exists()  # a failed run leaves no empty workdir or checkpoints/
 
 
@@ -268,7 +276,7 @@ def test_sigint_stops_within_a_step_with_a_checkpoint(cifar_image_folder, tmp_pa
     assert "SIGINT: stopping after the step in flight, then saving a checkpoint" in stdout
     stopped = int(stdout.split("stopped by SIGINT at step ")[1].split(";")[0])
     assert os.listdir(workdir / "checkpoints") == [str(stopped)]
-    assert "continue with --resume" in stdout and "run summary" in stdout
+    assert "stopped by SIGINT: continue with --resume" in stdout and "run summary" in stdout
     assert elapsed < 15, elapsed  # steps of this model take milliseconds; the rest is the checkpoint
 
 
@@ -308,6 +316,7 @@ def test_resnet18_pool2_smoke_run_carries_batch_stats(cifar_image_folder, tmp_pa
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["memory", "train", "train", "eval"]
     assert all(np.isfinite(r["loss"]) for r in records if r["kind"] == "train")
+    assert "kept_block_fraction" not in records[0]  # pooled convolutions keep no blocks
     # Pooled conv inputs keep less than the dense ResNet (BatchNorm and ReLU keep the rest).
     assert records[0]["residual_activation_mib"] < 0.9 * records[0]["dense_residual_activation_mib"]
     recomputed = checkpoint_scores(str(workdir), 2)  # evaluation mode on the saved running averages

@@ -1,0 +1,100 @@
+"""Mistakes a new user makes, as subprocesses: each exits with code 2 and a short stderr whose first
+line gives the cause and names the flag (or file) and the value to change; no traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_cli(module: str, *args: str, home) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home / "home"), "TFDS_DATA_DIR": str(home / "tfds"), "JAX_PLATFORMS": "cpu"}
+    env.pop("BSR_JAX_CACHE", None)
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+
+
+def ours(stderr: str) -> list[str]:
+    """stderr without the log lines a CUDA build of jaxlib writes at import on a machine without a
+    GPU ("Could not find cuda drivers"), which JAX_PLATFORMS=cpu does not silence."""
+    return [line for line in stderr.splitlines() if not re.match(r"WARNING: All log messages before absl|[IWE]\d{4} ", line)]
+
+
+def refused(done: subprocess.CompletedProcess, lines: int = 1) -> str:
+    """The first stderr line of a run that exited with 2 and at most ``lines`` lines, no traceback."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert 1 <= len(ours(done.stderr)) <= lines and "Traceback" not in done.stderr, done.stderr
+    return ours(done.stderr)[0]
+
+
+def small_run(data_dir, tmp_path, *extra: str) -> list[str]:
+    return ["--data-dir", str(data_dir), "--cache-dir", str(data_dir / "cache"), "--workdir", str(tmp_path / "run"),
+            "--eval-batch-size", "4", "--dim", "16", "--depth", "1", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("module", ["train.cifar", "train.imagenet"])
+def test_a_batch_larger_than_the_data_names_the_flag_range_and_data_size(module, cifar_image_folder, tmp_path):
+    # train.imagenet's default batch is 1024: more than any small folder holds.
+    flags = ["--batch-size", "100000"] if module == "train.cifar" else ["--dataset", "imagefolder", "--model", "tiny"]
+    folder = cifar_image_folder if module == "train.cifar" else cifar_image_folder / "cifar10"
+    batch = 100000 if module == "train.cifar" else 1024
+    line = refused(run_cli(module, *small_run(folder, tmp_path, *flags), home=tmp_path))
+    assert line == f"{module}: --batch-size {batch} is more than the 40 training images: it must be in [1, 40]"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_layer_sparsity_pattern_matching_no_layer_is_refused_before_the_data(tmp_path):
+    flags = ["--data-dir", str(tmp_path / "no-data"), "--workdir", str(tmp_path / "run"), "--depth", "2",
+             "--sparsity", "0.7", "--layer-sparsity", "block*/fc1=0.5", "--layer-sparsity", "blocks*/fc2=0.9"]  # fmt: skip
+    line = refused(run_cli("train.cifar", *flags, home=tmp_path))
+    assert line == (
+        "train.cifar: --layer-sparsity blocks*/fc2=0.9: 'blocks*/fc2' matches no layer of the tiny model, whose layer "
+        "paths are stem, block{0..1}/affine1, block{0..1}/token_mixing, block{0..1}/layerscale1, block{0..1}/affine2, "
+        "block{0..1}/fc1, block{0..1}/fc2, block{0..1}/layerscale2, final_affine, head"
+    )
+
+
+def test_resume_with_nothing_to_resume_names_the_workdir(tmp_path):
+    workdir = tmp_path / "rnu"  # a typo of an earlier run's workdir
+    line = refused(run_cli("train.cifar", "--resume", "--workdir", str(workdir), home=tmp_path))
+    assert line == (f"train.cifar: argument --resume: nothing to resume in {workdir}: it has no config.json; "
+                    "pass the --workdir of an earlier run, or drop --resume (see --help)")  # fmt: skip
+    assert not workdir.exists() and not (tmp_path / "home").exists()  # nothing downloaded or created
+
+
+def test_a_patch_size_that_does_not_divide_the_image_names_both_flags(tmp_path):
+    line = refused(run_cli("train.cifar", "--patch-size", "5", home=tmp_path))
+    assert line == "train.cifar: argument --patch-size: patch_size must be >= 1 and divide --image-size 32, got 5 (see --help)"
+
+
+def test_images_of_different_sizes_are_refused_with_advice_that_works(tmp_path):
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "mixed"
+    for split, count in (("train", 8), ("test", 4)):
+        for i in range(count):
+            (folder / split / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            side = 32 if i % 2 else 40
+            Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(folder / split / f"c{i % 2}" / f"{i}.png")
+    flags = small_run(folder, tmp_path, "--dataset", "imagefolder", "--batch-size", "4", "--steps", "1")
+    line = refused(run_cli("train.cifar", *flags, home=tmp_path))
+    assert line.startswith(f"train.cifar: images have different sizes 32x32 and 40x40 in {folder}, which --augment cifar ")
+    assert line.endswith("to resize them all to N x N, pass --dataset imagefolder --augment imagenet (or none) --image-size N")
+    done = run_cli("train.cifar", *flags, "--augment", "none", "--image-size", "32", home=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for data_dir, cause in ((empty, f"No cifar10 'train' data found in --data-dir {empty}."),
+                            (tmp_path / "missing", f"No cifar10 'train' data: --data-dir {tmp_path / 'missing'} does not exist.")):  # fmt: skip
+        line = refused(run_cli("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"), home=tmp_path), lines=3)
+        assert line == f"train.cifar: {cause}"
