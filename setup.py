@@ -10,8 +10,11 @@ setup(
         Extension(
             "cpu_kernels._bsr_t_matmul",
             sources=["cpu_kernels/bsr_t_matmul.cc"],
+            depends=["cpu_kernels/tile_kernel.h"],
             include_dirs=[os.path.join(os.path.dirname(jaxlib.__file__), "include")],
-            # -Wno-psabi: Vec16 helpers are always inlined, so the AVX-512 argument ABI note is moot.
+            # No -march: the AVX2 and AVX-512 paths are separate functions with target attributes, picked
+            # per call by CPU features, so one build runs on any x86-64. -Wno-psabi: the vector helpers
+            # are always inlined, so the note about passing wide vectors by value is moot.
             extra_compile_args=["-O3", "-std=c++17", "-Wno-psabi"],
             language="c++",
         )

@@ -26,9 +26,9 @@ from bsr_jax.xla_backend import xla_dw
 DwBackend = Callable[[BlockSparse, jax.Array], jax.Array]
 ENV_VAR = "BSR_JAX_BACKEND"
 PLATFORM_DEFAULTS = {"gpu": "pallas", "cpu": "cpu"}
-# Each kept block reloads and stores its bk rows of the dW tile once per bm rows of dy, so blocks
-# with few rows spend the kernel on loads and stores: at 4 rows it ran at 1.6-2.3x of dense where
-# the xla backend's densify-and-matmul ran at 1.3-1.4x (benchmarks/kernels.py, docs/kernels.md).
+# Blocks with few rows give the kernel's register tile few multiply-adds per load and store of dW:
+# at 4 rows it ran at 1.6-2.3x of dense where the xla backend's densify-and-matmul ran at 1.3-1.4x
+# (benchmarks/kernels.py, docs/kernels.md).
 CPU_KERNEL_MIN_ROWS = 8
 
 
@@ -39,12 +39,20 @@ def reference_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
 
 
 def cpu_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
-    """``cpu_kernels.bsr_t_matmul`` on the kept blocks (dequantized, in float32); blocks of fewer
-    than ``CPU_KERNEL_MIN_ROWS`` rows take ``xla_dw`` instead, which is faster for them."""
-    if bsr.block[0] < CPU_KERNEL_MIN_ROWS:
-        return xla_dw(bsr, dy)
-    bsr = bsr.dequantized()
-    return cpu_kernels.bsr_t_matmul(bsr.values, bsr.block_rows, bsr.col_ptr, dy)
+    """``cpu_kernels.bsr_t_matmul`` on the kept blocks as stored: f32 or bf16 values, or int8 / int4
+    with their per-block scales, decoded inside the kernel (no f32 copy of x), every-block-kept
+    ones included (their indices are synthesised). The xla backend's path runs instead where it is
+    the faster one: blocks of fewer than ``CPU_KERNEL_MIN_ROWS`` rows, and CPUs whose widest kernel
+    path is the portable one (unless ``$BSR_JAX_CPU_ISA`` forces a path)."""
+    if bsr.block[0] < CPU_KERNEL_MIN_ROWS or not cpu_kernels.kernel_by_default():
+        return BACKENDS["xla"](bsr, dy)
+    if bsr.storage_dtype == "float8_e4m3fn":  # no float8 decoder in the kernel
+        bsr = bsr.dequantized()
+    (mb, kb), packed = bsr.grid, bsr.storage_dtype == "int4"
+    col_ptr = jnp.arange(kb + 1, dtype=jnp.int32) * mb if bsr.is_full else bsr.col_ptr
+    return cpu_kernels.bsr_t_matmul(
+        bsr.values, bsr.row_ids, col_ptr, dy, scales=bsr.scales, block=bsr.block if packed else None
+    )
 
 
 def _dense_when_full(sparse_dw: DwBackend) -> DwBackend:
@@ -56,7 +64,7 @@ def _dense_when_full(sparse_dw: DwBackend) -> DwBackend:
 BACKENDS: dict[str, DwBackend] = {
     "reference": reference_dw,
     "xla": _dense_when_full(xla_dw),
-    "cpu": _dense_when_full(cpu_dw),
+    "cpu": cpu_dw,
     "pallas": _dense_when_full(pallas_dw),
 }
 

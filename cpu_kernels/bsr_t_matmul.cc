@@ -4,115 +4,85 @@
 // the gather (one (bm, N) slab per kept block, 7x the size of dy at block 16) costs as much as the
 // dense matmul it replaces. This kernel reads dy in place instead:
 //
-// * The result's N columns are cut into tiles of up to 64 floats; a tile of dW, (Kb * bk, 64) f32,
-//   stays in L2 while every kept block is applied to it, and tiles are shared out between threads
-//   of XLA's intra-op pool, each tile with exactly one writer (no atomics, deterministic).
+// * The result's N columns are cut into tiles; a tile of dW, (Kb * bk, Tile) f32, stays in L2
+//   while every kept block is applied to it, and tiles are shared out between threads of XLA's
+//   intra-op pool, each tile with exactly one writer (no atomics, deterministic).
 // * Inside a tile, blocks are visited in block-row order (a counting sort of the column-major
-//   layout), so the (bm, 64) slab of dy a block-row multiplies is loaded once from memory and
-//   reused from L1 by every kept block of that row.
-// * A block's update dW[j*bk + c, tile] += sum_r V[r, c] * dy[i*bm + r, tile] keeps a 4 x 64
-//   accumulator in vector registers while it runs over the bm rows: 16 FMAs per 4 broadcasts and
-//   4 vector loads.
+//   layout), so the slab of dy a block-row multiplies is loaded once from memory and reused from
+//   L1 by every kept block of that row (tile_kernel.h).
+// * Kept values may be stored as f32, bf16, int8 or packed int4 with per-block scales; they are
+//   decoded a block at a time inside the kernel, so no f32 copy of x is ever made.
+// * The register blocking is sized per instruction set and the set is chosen per call (an
+//   attribute the Python side resolves from the CPU's features or BSR_JAX_CPU_ISA): one wheel
+//   runs on any x86-64.
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "tile_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+namespace bsr_jax {
 namespace {
 
-typedef float Vec16 __attribute__((vector_size(64), aligned(4)));
+// Instruction sets, as the `isa` attribute numbers them; BsrJaxCpuIsaMask() sets bit 1 << isa.
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
-constexpr int64_t kTile = 64;         // floats of N per tile: four 16-float vectors
-constexpr int64_t kColumnGroup = 4;   // dW rows accumulated in registers at once
+typedef float Vec4 __attribute__((vector_size(16)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec16 __attribute__((vector_size(64)));
 
-[[gnu::always_inline]] inline Vec16 Load(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+// Register budgets (accumulators + dy vectors + one broadcast): AVX2, and baseline x86-64 with
+// 128-bit vectors, have 16 registers: 4 x 3 + 3 + 1 = 16 (the 4 x 4 grid of 16-float vectors that
+// AVX-512 uses would take 32 AVX2 registers and spill: issue 23's 4.8-8x of dense). AVX-512 has
+// 32: 4 x 4 + 4 + 1 = 21. Measured single-threaded on Zen 4 at s0.7/16 (fc1 and fc2 shapes), AVX2
+// 4 x 3 ran at 80-85 GFLOP/s against 44-45 for 4 x 4, 61-85 for 4 x 2 and 66-68 for 6 x 2.
+using PortableBlocking = Blocking<Vec4, 4, 3, 96>;
+using Avx2Blocking = Blocking<Vec8, 4, 3, 96>;
+using Avx512Blocking = Blocking<Vec16, 4, 4, 64>;
 
-[[gnu::always_inline]] inline void Store(float* p, const Vec16& v) { std::memcpy(p, &v, sizeof v); }
+using TileFn = void (*)(const Problem&, int64_t, const Workspace&);
 
-// out[c, e] += sum_r v[r, c] * dy[r, e] for c in [c0, c0 + G), e in [0, 16 * V), with out and dy
-// rows n floats apart and v rows bk floats apart.
-template <int G, int V>
-[[gnu::always_inline]] inline void UpdateVectors(const float* v, int64_t bm, int64_t bk, int64_t c0, const float* dy,
-                          float* out, int64_t n) {
-  Vec16 acc[G][V];
-  for (int g = 0; g < G; ++g)
-    for (int e = 0; e < V; ++e) acc[g][e] = Load(out + (c0 + g) * n + 16 * e);
-  for (int64_t r = 0; r < bm; ++r) {
-    Vec16 d[V];
-    for (int e = 0; e < V; ++e) d[e] = Load(dy + r * n + 16 * e);
-    for (int g = 0; g < G; ++g) {
-      const float s = v[r * bk + c0 + g];
-      for (int e = 0; e < V; ++e) acc[g][e] += s * d[e];
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int e = 0; e < V; ++e) Store(out + (c0 + g) * n + 16 * e, acc[g][e]);
-}
-
-// The same for the last width % 16 columns of a tile, one float at a time.
-[[gnu::always_inline]] inline void UpdateScalars(const float* v, int64_t bm, int64_t bk, const float* dy, float* out,
-                          int64_t n, int64_t width) {
-  for (int64_t c = 0; c < bk; ++c)
-    for (int64_t r = 0; r < bm; ++r) {
-      const float s = v[r * bk + c];
-      for (int64_t e = 0; e < width; ++e) out[c * n + e] += s * dy[r * n + e];
-    }
-}
-
-template <int V>
-[[gnu::always_inline]] inline void UpdateBlock(const float* v, int64_t bm, int64_t bk, const float* dy, float* out,
-                        int64_t n) {
-  int64_t c0 = 0;
-  for (; c0 + kColumnGroup <= bk; c0 += kColumnGroup)
-    UpdateVectors<kColumnGroup, V>(v, bm, bk, c0, dy, out, n);
-  for (; c0 < bk; ++c0) UpdateVectors<1, V>(v, bm, bk, c0, dy, out, n);
-}
-
-struct Problem {
-  const float* values;     // (cap, bm, bk)
-  const int32_t* rows;     // (cap,) block-row of each block
-  const int32_t* cols;     // (cap,) block-column of each block
-  const int32_t* order;    // (cap,) block indices sorted by block-row
-  const float* dy;         // (Mb * bm, N)
-  float* out;              // (Kb * bk, N)
-  int64_t cap, bm, bk, kb, n;  // cap: used slots
-};
+void RunTilePortable(const Problem& p, int64_t tile, const Workspace& w) { RunTile<PortableBlocking>(p, tile, w); }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-// One build runs on any x86-64; the loader picks the widest vector unit this CPU has.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+__attribute__((target("avx2,fma"))) void RunTileAvx2(const Problem& p, int64_t tile, const Workspace& w) {
+  RunTile<Avx2Blocking>(p, tile, w);
+}
+__attribute__((target("avx512f,avx2,fma"))) void RunTileAvx512(const Problem& p, int64_t tile, const Workspace& w) {
+  RunTile<Avx512Blocking>(p, tile, w);
+}
 #endif
-void RunTile(const Problem& p, int64_t tile) {
-  const int64_t n0 = tile * kTile;
-  const int64_t width = std::min(kTile, p.n - n0);
-  for (int64_t k = 0; k < p.kb * p.bk; ++k) std::memset(p.out + k * p.n + n0, 0, width * sizeof(float));
-  for (int64_t q = 0; q < p.cap; ++q) {
-    const int64_t b = p.order[q];
-    const float* v = p.values + b * p.bm * p.bk;
-    const float* dy = p.dy + p.rows[b] * p.bm * p.n + n0;
-    float* out = p.out + p.cols[b] * p.bk * p.n + n0;
-    int64_t e0 = 0;
-    if (width == kTile) {
-      UpdateBlock<kTile / 16>(v, p.bm, p.bk, dy, out, p.n);
-      e0 = kTile;
-    }
-    for (; e0 + 16 <= width; e0 += 16) UpdateBlock<1>(v, p.bm, p.bk, dy + e0, out + e0, p.n);
-    if (e0 < width) UpdateScalars(v, p.bm, p.bk, dy + e0, out + e0, p.n, width - e0);
-  }
+
+int32_t IsaMask() {
+  int32_t mask = 1 << kPortable;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();  // also checks that the OS saves the wide registers
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) mask |= 1 << kAvx2;
+  if ((mask & (1 << kAvx2)) && __builtin_cpu_supports("avx512f")) mask |= 1 << kAvx512;
+#endif
+  return mask;
+}
+
+struct Path {
+  TileFn run;
+  int64_t tile;
+};
+
+Path PathFor(int64_t isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa == kAvx512) return {RunTileAvx512, Avx512Blocking::Tile};
+  if (isa == kAvx2) return {RunTileAvx2, Avx2Blocking::Tile};
+#endif
+  return {RunTilePortable, PortableBlocking::Tile};
 }
 
 // Tiles go to whichever thread asks next. The calling thread works too and waits only for tiles
@@ -125,78 +95,117 @@ struct TileQueue {
   std::condition_variable all_done;
 };
 
-void Drain(const Problem& p, int64_t tiles, TileQueue& queue) {
+void Drain(const Problem& p, Path path, int64_t tiles, TileQueue& queue) {
+  std::vector<float> values(p.panel * p.bm * p.bk), panel(p.panel * p.bm * path.tile), tile(p.kb * p.bk * path.tile);
+  const Workspace w{values.data(), panel.data(), tile.data()};
   for (int64_t t; (t = queue.next.fetch_add(1)) < tiles;) {
-    RunTile(p, t);
+    path.run(p, t, w);
     std::lock_guard<std::mutex> lock(queue.mutex);
     if (++queue.done == tiles) queue.all_done.notify_all();
   }
 }
 
-ffi::Error BsrTMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> row_ids,
-                      ffi::Buffer<ffi::S32> col_ptr, ffi::Buffer<ffi::F32> dy,
-                      ffi::ResultBuffer<ffi::F32> out) {
-  const auto vdims = values.dimensions();
+ffi::Error Invalid(const std::string& message) { return ffi::Error::InvalidArgument("bsr_t_matmul: " + message); }
+
+// Which storage `values` holds, after checking its shape against (cap, bm, bk) and `scales`.
+ffi::Error CheckValues(const ffi::AnyBuffer& values, const ffi::Buffer<ffi::F32>& scales, int64_t bm, int64_t bk,
+                       Stored* stored) {
+  const auto dims = values.dimensions();
+  switch (values.element_type()) {
+    case ffi::DataType::F32: *stored = Stored::kF32; break;
+    case ffi::DataType::BF16: *stored = Stored::kBF16; break;
+    case ffi::DataType::S8: *stored = Stored::kInt8; break;
+    case ffi::DataType::U8: *stored = Stored::kInt4; break;
+    default: return Invalid("values must be f32, bf16, int8 or packed int4 (uint8)");
+  }
+  if (bm < 1 || bk < 1) return Invalid("block sides must be positive");
+  const bool packed = *stored == Stored::kInt4;
+  if (packed ? dims.size() != 2 || dims[1] != (bm * bk + 1) / 2 : dims.size() != 3 || dims[1] != bm || dims[2] != bk)
+    return Invalid(packed ? "packed int4 values must be (cap, ceil(bm * bk / 2))" : "values must be (cap, bm, bk)");
+  const bool scaled = *stored == Stored::kInt8 || packed;
+  if (scaled && scales.element_count() != static_cast<size_t>(dims[0]))
+    return Invalid("int8 / int4 values need (cap,) scales");
+  return ffi::Error::Success();
+}
+
+ffi::Error BsrTMatmul(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scales,
+                      ffi::Buffer<ffi::S32> row_ids, ffi::Buffer<ffi::S32> col_ptr, ffi::Buffer<ffi::F32> dy,
+                      ffi::ResultBuffer<ffi::F32> out, int64_t bm, int64_t bk, int64_t isa) {
+  Problem p{};
+  if (ffi::Error error = CheckValues(values, scales, bm, bk, &p.stored); error.failure()) return error;
+  if (isa < kPortable || isa > kAvx512 || !(IsaMask() & (1 << isa)))
+    return Invalid("isa " + std::to_string(isa) + " is not supported by this CPU");
   const auto ddims = dy.dimensions();
   const auto odims = out->dimensions();
-  if (vdims.size() != 3 || ddims.size() != 2 || col_ptr.element_count() < 1 || vdims[1] < 1 ||
-      ddims[0] % vdims[1] != 0 || odims.size() != 2 || odims[0] != (col_ptr.element_count() - 1) * vdims[2] ||
-      odims[1] != ddims[1] || row_ids.element_count() != static_cast<size_t>(vdims[0]))
-    return ffi::Error::InvalidArgument(
-        "bsr_t_matmul: want values (cap, bm, bk), row_ids (cap,), col_ptr (Kb + 1,), dy (Mb * bm, N) "
-        "and a (Kb * bk, N) result");
-  Problem p{};
-  p.cap = vdims[0];
-  p.bm = vdims[1];
-  p.bk = vdims[2];
+  const int64_t cap = values.dimensions()[0];
+  if (ddims.size() != 2 || col_ptr.element_count() < 1 || ddims[0] % bm != 0 || odims.size() != 2 ||
+      odims[0] != static_cast<int64_t>(col_ptr.element_count() - 1) * bk || odims[1] != ddims[1] ||
+      row_ids.element_count() != static_cast<size_t>(cap))
+    return Invalid("want row_ids (cap,), col_ptr (Kb + 1,), dy (Mb * bm, N) and a (Kb * bk, N) result");
+  p.cap = cap;
+  p.bm = bm;
+  p.bk = bk;
   p.kb = static_cast<int64_t>(col_ptr.element_count()) - 1;
   p.n = ddims[1];
-  const int64_t mb = ddims[0] / p.bm;
 
-  // Block-column of every block from col_ptr, then a counting sort by block-row.
+  // Block-column of every block from col_ptr, then a stable counting sort by panel of block-rows.
   const int32_t* ptr = col_ptr.typed_data();
   const int32_t* rows = row_ids.typed_data();
-  if (ptr[0] != 0 || ptr[p.kb] > p.cap)
-    return ffi::Error::InvalidArgument("bsr_t_matmul: col_ptr must start at 0 and end at most at capacity");
+  if (ptr[0] != 0 || ptr[p.kb] > p.cap) return Invalid("col_ptr must start at 0 and end at most at capacity");
   p.cap = ptr[p.kb];  // slots after the last column's are unused
-  std::vector<int32_t> cols(p.cap), order(p.cap), row_start(mb + 1, 0);
+  p.mb = ddims[0] / p.bm;
+  p.panel = std::max<int64_t>(1, kPanelRows / p.bm);
+  p.panels = (p.mb + p.panel - 1) / p.panel;
+  std::vector<int32_t> cols(p.cap), order(p.cap), panel_start(p.panels + 1, 0);
   for (int64_t j = 0; j < p.kb; ++j) {
-    if (ptr[j + 1] < ptr[j]) return ffi::Error::InvalidArgument("bsr_t_matmul: col_ptr must not decrease");
+    if (ptr[j + 1] < ptr[j]) return Invalid("col_ptr must not decrease");
     std::fill(cols.begin() + ptr[j], cols.begin() + ptr[j + 1], static_cast<int32_t>(j));
   }
   for (int64_t b = 0; b < p.cap; ++b) {
-    if (rows[b] < 0 || rows[b] >= mb)
-      return ffi::Error::InvalidArgument("bsr_t_matmul: row_ids[" + std::to_string(b) + "] = " +
-                                         std::to_string(rows[b]) + " outside [0, " + std::to_string(mb) + ")");
-    ++row_start[rows[b] + 1];
+    if (rows[b] < 0 || rows[b] >= p.mb)
+      return Invalid("row_ids[" + std::to_string(b) + "] = " + std::to_string(rows[b]) + " outside [0, " +
+                     std::to_string(p.mb) + ")");
+    ++panel_start[rows[b] / p.panel + 1];
   }
-  for (int64_t i = 0; i < mb; ++i) row_start[i + 1] += row_start[i];
-  for (int64_t b = 0; b < p.cap; ++b) order[row_start[rows[b]]++] = static_cast<int32_t>(b);
+  for (int64_t i = 0; i < p.panels; ++i) panel_start[i + 1] += panel_start[i];
+  std::vector<int32_t> fill(panel_start.begin(), panel_start.end() - 1);
+  for (int64_t b = 0; b < p.cap; ++b) order[fill[rows[b] / p.panel]++] = static_cast<int32_t>(b);
 
-  p.values = values.typed_data();
+  p.values = values.untyped_data();
+  p.scales = scales.typed_data();
   p.rows = rows;
   p.cols = cols.data();
   p.order = order.data();
+  p.panel_start = panel_start.data();
   p.dy = dy.typed_data();
   p.out = out->typed_data();
 
-  const int64_t tiles = (p.n + kTile - 1) / kTile;
+  const Path path = PathFor(isa);
+  const int64_t tiles = (p.n + path.tile - 1) / path.tile;
   auto queue = std::make_shared<TileQueue>();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), tiles) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p, tiles, queue] { Drain(p, tiles, *queue); });
-  Drain(p, tiles, *queue);
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p, path, tiles, queue] { Drain(p, path, tiles, *queue); });
+  Drain(p, path, tiles, *queue);
   std::unique_lock<std::mutex> lock(queue->mutex);
   queue->all_done.wait(lock, [&] { return queue->done == tiles; });
   return ffi::Error::Success();
 }
 
 }  // namespace
+}  // namespace bsr_jax
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BsrTMatmulF32, BsrTMatmul,
+// Bit (1 << isa) for each instruction set this CPU and OS support (portable always), for ctypes.
+extern "C" int32_t BsrJaxCpuIsaMask() { return bsr_jax::IsaMask(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BsrTMatmul, bsr_jax::BsrTMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bm")
+                                  .Attr<int64_t>("bk")
+                                  .Attr<int64_t>("isa"));
