@@ -9,13 +9,22 @@ and the ratio reported is the median of the per-repetition ratios, so a slow spe
 machine hits both alike. Sparse TFLOP/s counts
 kept-block FLOPs only; GB/s counts the bytes each variant must read and write at least once.
 
+``--suite layer`` times issue 23's rows instead, per CPU kernel path (``--isas``, forced through
+``$BSR_JAX_CPU_ISA``): one layer's whole backward (dx + dW: ``bsr_linear``'s vjp at sparsity 0.7,
+block 16, after its forward) against dense ``x @ w``'s vjp, and dW alone against ``x.T @ dy``, on
+the ResMLP-S12 fc1 and fc2 shapes; and dW from int8 / int4 blocks with every block kept (sparsity
+0). Each row names the kernel path its compiled code calls (read from the lowered program).
+
     python benchmarks/kernels.py                     # CPU: xla and cpu (pallas needs a GPU)
     python benchmarks/kernels.py --shapes cifar-fc1 cifar-fc2 --blocks 16 64 --sparsities 0.7 --reps 5
+    python -m benchmarks.kernels --suite layer --isas avx2 avx512 --reps 21
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
 import sys
 import time
@@ -23,13 +32,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bsr_jax import backends
+import cpu_kernels
+from bsr_jax import backends, bsr_linear
 from bsr_jax.format import from_dense
 
 if __package__:  # python -m benchmarks.kernels
-    from benchmarks.run_info import run_metadata, write_json
+    from benchmarks.run_info import footer, run_metadata, write_json
 else:  # python benchmarks/kernels.py: this file's directory is sys.path[0]
-    from run_info import run_metadata, write_json
+    from run_info import footer, run_metadata, write_json
 
 # name -> (M, K, N): x (M, K), dy (M, N). ResMLP-S12, dim 384, MLP 1536.
 SHAPES = {
@@ -99,13 +109,69 @@ def measure_shape(name: str, args) -> list[dict]:
     return rows
 
 
+def kernel_path(fn, *args) -> str:
+    """The CPU kernel path that ``jax.jit(fn)(*args)`` calls (``"-"`` if it calls none)."""
+    found = set(re.findall(r"isa = (\d)", jax.jit(fn).lower(*args).as_text()))
+    return ",".join(cpu_kernels.ISAS[int(i)] for i in sorted(found)) or "-"
+
+
+LAYER_SHAPES = ("cifar-fc1", "cifar-fc2")
+# (sparsity, storage dtype) of the dW-alone rows: the issue's s0.7/16, and every block kept in int8 / int4.
+LAYER_DW = ((0.7, None), (0.0, "int8"), (0.0, "int4"))
+
+
+def measure_layer(name: str, reps: int) -> list[dict]:
+    """Issue 23's rows for one shape on the current kernel path, for the cpu and xla backends."""
+    m, k, n = SHAPES[name]
+    kx, kd, kw = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    dy = jax.random.normal(kd, (m, n), jnp.float32)
+    w = jax.random.normal(kw, (k, n), jnp.float32) / k**0.5
+    # The backward alone: vjp functions made (forward and compression run) before timing starts.
+    vjp_of = lambda layer: jax.jit(lambda x, w: jax.vjp(layer, x, w)[1])(x, w)  # noqa: E731
+    apply_vjp = lambda vjp, dy: vjp(dy)  # noqa: E731
+    dense_vjp = vjp_of(lambda x, w: x @ w)
+    dense_dw = jax.jit(lambda x, dy: jnp.matmul(x.T, dy))
+    rows = []
+
+    def add(what, sparsity, storage, backend, path, times):
+        t_sparse, t_dense, ratio = times
+        rows.append(dict(shape=name, m=m, k=k, n=n, what=what, block=16, sparsity=sparsity, storage=storage or "float32",
+                         backend=backend, path=path, dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3, ratio=ratio))  # fmt: skip
+        print(f"# {name} {what} s{sparsity} {storage} {backend} [{path}]: {ratio:.2f}x dense", file=sys.stderr, flush=True)
+
+    for backend in ("cpu", "xla"):
+        layer = lambda x, w, backend=backend: bsr_linear(x, w, sparsity=0.7, block=16, backend=backend)  # noqa: E731
+        sparse_vjp = vjp_of(layer)
+        times = paired_times(jax.jit(apply_vjp), (sparse_vjp, dy), jax.jit(apply_vjp), (dense_vjp, dy), reps)
+        add("backward dx+dW", 0.7, None, backend, kernel_path(apply_vjp, sparse_vjp, dy), times)
+    for sparsity, storage in LAYER_DW:
+        bsr = jax.jit(lambda x: from_dense(x, sparsity, 16, storage_dtype=storage))(x)
+        for backend in ("cpu", "xla"):
+            fn = lambda bsr, dy, backend=backend: backends.BACKENDS[backend](bsr, dy)  # noqa: E731
+            times = paired_times(jax.jit(fn), (bsr, dy), dense_dw, (x, dy), reps)
+            add("dW", sparsity, storage, backend, kernel_path(fn, bsr, dy), times)
+    return rows
+
+
+def print_layer_table(rows: list[dict]) -> None:
+    print("| kernel path | shape (M, K, N) | what | sparsity | storage | backend | dense ms | sparse ms | sparse / dense |")
+    print("|---" * 9 + "|")
+    for r in rows:
+        print(
+            f"| {r['path']} | {r['shape']} ({r['m']}, {r['k']}, {r['n']}) | {r['what']} | {r['sparsity']} | {r['storage']} | "
+            f"{r['backend']} | {r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | **{r['ratio']:.2f}** |"
+        )
+
+
 def print_table(rows: list[dict]) -> None:
-    header = "| shape | block | sparsity | selection | backend | dense ms | sparse ms | ratio | sparse TFLOP/s | sparse GB/s | compress / fwd |"
+    header = "| kernel path | shape | block | sparsity | selection | backend | dense ms | sparse ms | ratio | sparse TFLOP/s | sparse GB/s | compress / fwd |"
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for r in rows:
         print(
-            f"| {r['shape']} | {r['block']} | {r['sparsity']} | {r['selection']} | {r['backend']} | {r['dense_ms']:.1f} | "
+            f"| {r['path'] if r['backend'] == 'cpu' else '-'} | {r['shape']} | {r['block']} | {r['sparsity']} | {r['selection']} | "
+            f"{r['backend']} | {r['dense_ms']:.1f} | "
             f"{r['sparse_ms']:.1f} | {r['ratio']:.2f} | {r['sparse_tflops']:.3f} | {r['sparse_gbs']:.1f} | "
             f"{r['compress_over_forward']:.2f} |"
         )
@@ -113,21 +179,38 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=("sweep", "layer"), default="sweep",
+                        help="sweep: every backend over --shapes/--blocks/--sparsities; layer: issue 23's rows")
+    parser.add_argument("--isas", nargs="+", choices=cpu_kernels.ISAS,
+                        help="CPU kernel paths to run, each forced in turn (default: the one picked for this CPU)")
     parser.add_argument("--shapes", nargs="+", default=["cifar-fc1", "cifar-fc2", "imagenet-fc1", "imagenet-fc2"],
                         choices=list(SHAPES), help="layer shapes (default: the ResMLP-S12 ones; add square-4096)")
     parser.add_argument("--blocks", nargs="+", type=int, default=[4, 16, 64], help="default: 4 16 64")
     parser.add_argument("--sparsities", nargs="+", type=float, default=[0.0, 0.3, 0.5, 0.7, 0.9],
                         help="default: 0 0.3 0.5 0.7 0.9")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default: %(default)s)")
-    parser.add_argument("--out", help="JSON path (default: benchmarks/results/kernels-<device>.json)")
+    parser.add_argument("--out", help="JSON path (default: benchmarks/results/kernels-<device>[-layer].json)")
     args = parser.parse_args()
     meta = run_metadata()
     device = jax.devices()[0].device_kind
     if jax.default_backend() != "gpu":
         print(f"# {jax.default_backend()}: pallas backend skipped (compiled Pallas kernels need a GPU)", file=sys.stderr)
-    rows = [row for shape in args.shapes for row in measure_shape(shape, args)]
-    print_table(rows)
-    out = args.out or f"benchmarks/results/kernels-{device.replace(' ', '_')}.json"
+    rows = []
+    for isa in args.isas or [None]:
+        if isa:
+            os.environ[cpu_kernels.ISA_ENV] = cpu_kernels.resolve_isa(isa)
+            jax.clear_caches()  # traces made under the previous path must not be reused
+        if args.suite == "layer":
+            rows += [row for shape in LAYER_SHAPES for row in measure_layer(shape, args.reps)]
+        else:
+            path = cpu_kernels.resolve_isa() if jax.default_backend() == "cpu" else "-"
+            rows += [dict(row, path=path) for shape in args.shapes for row in measure_shape(shape, args)]
+    if args.isas:
+        meta["cpu_kernel_isa"] += f" by default; forced per row: {' '.join(args.isas)}"
+    (print_layer_table if args.suite == "layer" else print_table)(rows)
+    print(f"\n{footer(meta)}")
+    suffix = "-layer" if args.suite == "layer" else ""
+    out = args.out or f"benchmarks/results/kernels-{device.replace(' ', '_')}{suffix}.json"
     write_json(out, meta, dict(rows=rows))
 
 
