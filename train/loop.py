@@ -220,10 +220,16 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     train_data = data.load_split(config.dataset, "train", **load)
     test_data = data.load_split(config.dataset, "test", **load)
     crop = None if config.augment == "cifar" else config.image_size
-    stored = train_data.images.shape[1:3]
-    if crop is None and stored != (config.image_size, config.image_size):
-        raise UsageError(f"image_size is {config.image_size} but the {config.dataset} images are {stored[0]}x{stored[1]} "
-                         "and augment 'cifar' keeps their size: pass --image-size to match, or --augment imagenet")  # fmt: skip
+    (height, width), size = train_data.images.shape[1:3], config.image_size
+    resize = "--dataset imagefolder --augment imagenet (or none) --image-size N to resize them to N x N"
+    if crop is None and (height, width) != (size, size):
+        smaller = ", or --augment imagenet" if size < height else ""  # crops of the stored images
+        fix = f"pass --image-size {height}{smaller}" if height == width else f"pass {resize}"
+        raise UsageError(f"--image-size {size} does not match the {height}x{width} {config.dataset} images, which "
+                         f"--augment cifar keeps as stored: {fix}")  # fmt: skip
+    if crop is not None and crop > min(height, width):  # only CIFAR's images are not stored larger than the crop
+        raise UsageError(f"--image-size {size} is larger than the {height}x{width} {config.dataset} images that "
+                         f"--augment {config.augment} crops from: pass --image-size {min(height, width)} or less, or {resize}")  # fmt: skip
     if config.batch_size > len(train_data):
         raise UsageError(f"--batch-size {config.batch_size} is more than the {len(train_data)} training images: "
                          f"it must be in [1, {len(train_data)}]")  # fmt: skip

@@ -91,6 +91,17 @@ def test_images_of_different_sizes_are_refused_with_advice_that_works(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("flags, advice", [
+    (["--image-size", "40"], "--image-size 40 does not match the 32x32 cifar10 images, which --augment cifar keeps as stored: "
+                             "pass --image-size 32"),
+    (["--augment", "imagenet", "--image-size", "40"], "--image-size 40 is larger than the 32x32 cifar10 images that --augment "
+                                                      "imagenet crops from: pass --image-size 32 or less, or --dataset imagefolder"),
+])  # fmt: skip
+def test_an_image_size_the_stored_images_cannot_give_is_refused(flags, advice, cifar_image_folder, tmp_path):
+    line = refused(run_cli("train.cifar", *small_run(cifar_image_folder, tmp_path, "--batch-size", "8", *flags), home=tmp_path))
+    assert line.startswith(f"train.cifar: {advice}")
+
+
 def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
