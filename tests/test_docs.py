@@ -17,8 +17,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted(["README.md", *(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))])
-# The repository's top-level directories: a cited path starting with one names a file of ours.
-TOP_DIRS = tuple(n + "/" for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n)) and not n.startswith("."))
+# The repository's tracked top-level directories: a cited path starting with one names a file of
+# ours (runs/, where training writes by default, is not one).
+_TRACKED = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+TOP_DIRS = tuple(sorted({path.split("/")[0] + "/" for path in _TRACKED if "/" in path}))
 SOURCE_SUFFIXES = (".py", ".md", ".cc", ".toml")
 
 
