@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from bsr_jax import intercept
 from bsr_jax import lean as lean_ops
 from bsr_jax import rules as rules_lib
 from bsr_jax import sharding
@@ -139,6 +140,12 @@ def _route_linen(shared: _SharedBlocks):
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         routed = isinstance(module, (*ROUTED_LINEN, ROUTED_LINEN_CONV, *REPORTED_LINEN))
+        own_hooks = routed or isinstance(module, (PrunedModule, Conv))
+        with intercept.module_call(module, routes_products=not own_hooks):
+            return route(next_fun, args, kwargs, context, routed)
+
+    def route(next_fun, args, kwargs, context, routed):
+        module = context.module
         if context.method_name != "__call__" or not routed or isinstance(module, (PrunedModule, Conv)):
             return next_fun(*args, **kwargs)
         compression = rules_lib.lookup(module)
@@ -146,7 +153,7 @@ def _route_linen(shared: _SharedBlocks):
             return next_fun(*args, **kwargs)
         path = rules_lib.module_path(module)
         call = lambda: next_fun(*args, **kwargs)
-        key = module.make_rng("pruning") if compression.needs_key and module.has_rng("pruning") else None
+        key = intercept.pruning_key(compression, module)
         if isinstance(module, REPORTED_LINEN):
             rules_lib.report_dense(path, f"{type(module).__name__} is not routed (nn.Dense, nn.DenseGeneral, nn.Conv and subclasses are)")
             return call()
@@ -169,7 +176,7 @@ def compressing(rules: Sequence[Rule], *, lean: bool = True) -> Iterator[_Shared
     """The context ``compress_model``'s linen modules apply under (usable around any linen apply)."""
     shared = _SharedBlocks()
     lean_context = lean_ops.lean_neighbours() if lean else contextlib.nullcontext()
-    with rules_lib.use_rules(rules), nn.intercept_methods(_route_linen(shared)), lean_context:
+    with rules_lib.use_rules(rules), intercept.product_interception(), nn.intercept_methods(_route_linen(shared)), lean_context:
         yield shared
 
 
@@ -178,6 +185,7 @@ def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool) -> 
 
     def apply(self, variables, *args, **kwargs):
         with compressing(rules, lean=lean):
+            intercept.mark_parameters(variables.get("params", {}))
             return base.apply(self, variables, *args, **kwargs)
 
     def init_with_output(self, rngs, *args, **kwargs):
@@ -239,22 +247,23 @@ def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx
     return model
 
 
-def compress_model(model: Any, rules: Sequence[Rule], *, lean: bool = True) -> Any:
+def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = True) -> Any:
     """``model`` with block-pruned residuals where ``rules`` say (first match by module path).
 
     Args:
       model: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module``.
-      rules: ``bsr_jax.Rule(pattern, compression)``; e.g. ``[Rule("*", Pruning(0.7, block=16))]``.
+      rules: ``bsr_jax.Rule(pattern, compression)``s, or one; e.g. ``[Rule("*", Pruning(0.7, block=16))]``.
       lean: also make norms, activations and attention keep less (exact; ``bsr_jax.lean``).
+
+    Random options (``Pruning(stochastic=True)`` or ``rounding="stochastic"``) draw their keys from
+    the ``"pruning"`` rng stream: ``model.apply(variables, x, rngs={"pruning": key})`` (linen only;
+    nested ``submodule.apply`` calls inside the model use the caller's stream).
 
     Returns:
       linen: a module of a subclass of ``type(model)`` with the same attributes, whose ``init`` gives
       the same parameter tree and whose ``apply`` compresses; NNX: ``model`` itself, routed in place.
     """
-    rules = tuple(rules)
-    for rule in rules:
-        if not isinstance(rule, Rule):
-            raise ValueError(f"rules must be bsr_jax.Rule objects, got {rule!r}")
+    rules = rules_lib.as_rules(rules)
     if isinstance(model, nn.Module):
         return _linen_compressed(model, rules, lean)
     if isinstance(model, nnx.Module):

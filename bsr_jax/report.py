@@ -4,14 +4,16 @@
 residuals its VJP closure holds (each distinct array once, as ``bsr_jax.residual_bytes`` counts
 them), and, for each one, finds the forward equation that produced it and the backward equations
 that read it. Module paths come from the name stack Flax (linen's named scopes) records in each
-equation's source info, with JAX's transform wrappers (``jvp(...)``, ``transpose(...)``) removed;
-arrays produced outside any module have the path ``""``.
+equation's source info, with JAX's transform wrappers (``jvp(...)``, ``transpose(...)``) and the
+linen root's class name removed, so they are the paths rules and ``pruning_plan`` use (a nested
+``submodule.apply`` included: ``lm_head``); arrays produced outside any module have the path ``""``.
 
 Kinds, in order of precedence:
 
-* ``parameter``: computed from the parameters (first argument) alone, e.g. a kernel or a reshaped
-  LayerNorm scale; the same bytes at any batch size;
-* ``input``: another argument (e.g. the batch) or a view of one (reshape, transpose, dtype cast);
+* ``parameter``: computed from the parameters (first argument) alone and of a parameter's size,
+  e.g. a kernel or a reshaped LayerNorm scale; the same bytes at any batch size;
+* ``input``: another argument (e.g. the batch) or an array the loss closes over (a batch bound in
+  ``loss = lambda p: ...``), or a view of one (reshape, transpose, dtype cast);
 * ``shared``: an activation the backward pass reads in several modules (one kept array serving,
   e.g., the q, k and v projections), compressed or not;
 * ``compressed``: an array of a bsr_jax block-sparse residual (named ``RESIDUAL_NAME``);
@@ -20,11 +22,13 @@ Kinds, in order of precedence:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.extend as jex
 
@@ -89,7 +93,7 @@ class ResidualReport:
                 text = f"{r.dtype}[{','.join(map(str, r.shape))}]"
                 shapes[text] = shapes.get(text, 0) + 1
             shape_text = ", ".join(f"{n}x {s}" if n > 1 else s for s, n in shapes.items())
-            readers = sorted({reader for r in rows for reader in r.readers})
+            readers = sorted({reader or "-" for r in rows for reader in r.readers})
             nbytes = sum(r.nbytes for r in rows)
             lines.append(f"{path or '-':<{width}} {kind:<10} {len(rows):>6} {nbytes / 1024:>10.1f}  {shape_text} -> {', '.join(readers) or '-'}")
         totals = self.totals()
@@ -103,26 +107,33 @@ class ResidualReport:
 _TRANSFORM = re.compile(r"^\w+\((.*)\)$")
 
 
-def module_path(name_stack: Any) -> str:
+def module_path(name_stack: Any, roots: frozenset[str] = frozenset()) -> str:
     """A module path from an equation's name stack: ``"transpose(jvp(Net))/Dense_0/transpose()"``
-    -> ``"Net/Dense_0"``. Method scopes (``"LayerNorm_0.normalise"``) and repeated scopes that
-    lifted transforms (``nn.checkpoint``) add are dropped."""
+    -> ``"Net/Dense_0"``. A method scope (``"wte.attend"``) counts as its module (``"wte"``);
+    repeated scopes that lifted transforms (``nn.checkpoint``) add and scopes that name no module
+    (einsum specs) are dropped. A first part in ``roots`` (the class name of a linen root module)
+    is dropped too, so the path is the one rules match (``"Dense_0"``)."""
     parts = []
     for part in str(name_stack).split("/"):
         while (match := _TRANSFORM.match(part)) is not None:
             part = match.group(1)
-        if part and "." not in part and (not parts or parts[-1] != part):
+        part = part.split(".")[0]
+        if part and "->" not in part and (not parts or parts[-1] != part):
             parts.append(part)
     if parts and parts[0] in parts[1:]:  # a nested jaxpr's stack restarts at the root
         last_root = len(parts) - 1 - parts[::-1].index(parts[0])
         parts = parts[:1] + [p for p in parts[last_root + 1 :] if p not in parts[:1]]
+    if parts and parts[0] in roots:
+        parts = parts[1:]
     return "/".join(parts)
 
 
 def _parameter_derived(jaxpr, n_params: int) -> set:
-    """Variables of ``jaxpr`` computed from its first ``n_params`` inputs (and constants) alone."""
+    """Variables of ``jaxpr`` computed from its first ``n_params`` inputs alone (scalar constants
+    aside). Closed-over arrays count as data, not parameters: a loss closing over its batch has
+    activations computed from parameters and that constant."""
     derived = set(jaxpr.invars[:n_params])
-    neutral = set(jaxpr.constvars)
+    neutral = {v for v in jaxpr.constvars if v.aval.size <= 1}
     for eqn in jaxpr.eqns:
         sources = {v for v in eqn.invars if isinstance(v, jex.core.Var)} - neutral
         if sources and sources <= derived:
@@ -130,6 +141,27 @@ def _parameter_derived(jaxpr, n_params: int) -> set:
         elif not sources:
             neutral.update(eqn.outvars)
     return derived
+
+
+@contextlib.contextmanager
+def _recording_roots(roots: set[str]) -> Iterator[None]:
+    """Collect the scope names of outermost linen root modules called inside (their class names),
+    which name stacks start with and rule paths do not."""
+    depth = [0]
+
+    def interceptor(next_fun, args, kwargs, context):
+        if context.module.scope is None:  # an unbound module's own method (a subclass's apply)
+            return next_fun(*args, **kwargs)
+        if depth[0] == 0 and not context.module.path:
+            roots.add(context.module.name or type(context.module).__name__)
+        depth[0] += 1
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    with nn.intercept_methods(interceptor):
+        yield
 
 
 def _through_views(var, producers: dict) -> tuple[Any, bool]:
@@ -159,7 +191,10 @@ def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> Residual
         vjp_structure["out"] = jax.ShapeDtypeStruct(out.shape, out.dtype)
         return residuals
 
-    closed = jax.make_jaxpr(forward)(params, *args)
+    found_roots: set[str] = set()
+    with _recording_roots(found_roots):
+        closed = jax.make_jaxpr(forward)(params, *args)
+    roots = frozenset(found_roots)
     fwd = closed.jaxpr
     kept = [v for v in fwd.outvars if isinstance(v, jex.core.Var)]
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in fwd.outvars]
@@ -170,12 +205,13 @@ def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> Residual
     for eqn in backward.jaxpr.eqns:
         for v in eqn.invars:
             if isinstance(v, jex.core.Var) and isinstance(forward_of.get(v), jex.core.Var):
-                readers[forward_of[v]].add(module_path(eqn.source_info.name_stack))
+                readers[forward_of[v]].add(module_path(eqn.source_info.name_stack, roots))
 
     producers = {v: eqn for eqn in fwd.eqns for v in eqn.outvars}
     n_params = len(jax.tree.leaves(params))
-    from_params = _parameter_derived(fwd, n_params)
-    inputs = set(fwd.invars[n_params:])
+    param_sizes = {leaf.size for leaf in jax.tree.leaves(params)}
+    from_params = {v for v in _parameter_derived(fwd, n_params) if v.aval.size in param_sizes}
+    inputs = set(fwd.invars[n_params:]) | {v for v in fwd.constvars if v.aval.size > 1}
     argument_paths = [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in jax.tree_util.tree_flatten_with_path((params, *args))[0]]
     argument_path = dict(zip(fwd.invars, argument_paths))
     rows = []
@@ -190,7 +226,7 @@ def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> Residual
             kind = "shared"
         else:
             kind = "compressed" if compressed else "dense"
-        path = module_path(eqn.source_info.name_stack) if eqn is not None else argument_path.get(v, "")
+        path = module_path(eqn.source_info.name_stack, roots) if eqn is not None else argument_path.get(v, "")
         rows.append(ReportRow(path, kind, tuple(v.aval.shape), str(v.aval.dtype), _aval_bytes(v), tuple(sorted(readers[v]))))
     for v in fwd.outvars:
         if isinstance(v, jex.core.Literal):  # a constant the closure holds, e.g. a scalar

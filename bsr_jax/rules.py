@@ -22,12 +22,14 @@ import contextlib
 import contextvars
 import dataclasses
 import fnmatch
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from bsr_jax.format import PRUNING_OPTIONS, Pruning
 from bsr_jax.pooling import Pooling
@@ -52,6 +54,18 @@ class Rule:
             raise ValueError(f"Rule compression must be a bsr_jax.Pruning, a bsr_jax.Pooling or None, got {self.compression!r}")
 
 
+def as_rules(rules: Rule | Sequence[Rule], argument: str = "rules") -> tuple[Rule, ...]:
+    """``rules`` as a tuple: one ``Rule`` or a sequence of them (the one check every entry point uses)."""
+    if isinstance(rules, Rule):
+        return (rules,)
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+        raise TypeError(f"{argument} must be a bsr_jax.Rule or a list of them, got {type(rules).__name__}")
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise ValueError(f"{argument} must be bsr_jax.Rule objects, got {rule!r}")
+    return tuple(rules)
+
+
 def first_match(patterns: Sequence[str], path: str) -> int | None:
     """Index of the first ``fnmatch`` glob in ``patterns`` matching ``path``: the one matching rule."""
     return next((i for i, pattern in enumerate(patterns) if fnmatch.fnmatchcase(path, pattern)), None)
@@ -62,26 +76,46 @@ class _Active:
     rules: tuple[Rule, ...]
     matched: set[int]
     plan: list[LayerPlan] | None = None
+    # Path of the module calling a nested ``submodule.apply(...)``, by the nested root's scope:
+    # modules under it are named from there (``lm_head``, not the nested root's ``''``).
+    prefixes: dict[int, tuple[Any, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("bsr_jax_rules", default=None)
 
 
 def module_path(module: Any) -> str:
-    return "/".join(module.path)
+    """The rule path of a bound linen module: its Flax path, under a nested ``apply`` prefixed by
+    the path of the module that made that call and the nested root's name (or class name)."""
+    active = _ACTIVE.get()
+    entry = active.prefixes.get(id(module.scope.root)) if active is not None else None
+    prefix = entry[1] if entry is not None and entry[0] is module.scope.root else ()
+    return "/".join((*prefix, *module.path))
+
+
+def enter_module(module: Any, caller: Any | None) -> None:
+    """Called for each linen module call under active rules, with the innermost module whose call
+    is running (``caller``): a nested root (``submodule.apply(...)`` inside ``caller``) gets its prefix."""
+    active = _ACTIVE.get()
+    if active is None or caller is None or module.path or module.scope.root is caller.scope.root:
+        return
+    root = module.scope.root
+    if id(root) not in active.prefixes or active.prefixes[id(root)][0] is not root:
+        parent = tuple(p for p in module_path(caller).split("/") if p)
+        active.prefixes[id(root)] = (root, (*parent, module.name or type(module).__name__))
 
 
 @contextlib.contextmanager
-def use_rules(rules: Sequence[Rule]) -> Iterator[None]:
+def use_rules(rules: Rule | Sequence[Rule]) -> Iterator[None]:
     """Within the context, bsr_jax layers (and layers routed by ``compress_model``) take their
-    compression from ``rules``. Raises ``ValueError`` on exit when a rule matched no layer."""
-    rules = tuple(rules)
-    for rule in rules:
-        if not isinstance(rule, Rule):
-            raise ValueError(f"rules must be bsr_jax.Rule objects, got {rule!r}")
+    compression from ``rules`` (one ``Rule`` or a list). Raises ``ValueError`` on exit when a rule
+    matched no layer."""
+    rules = as_rules(rules)
     outer = _ACTIVE.get()
-    # An inner context (a compressed model's apply inside pruning_plan) records into the outer plan.
-    active = _Active(rules, set(), outer.plan if outer else None)
+    # An inner context (a compressed model's apply inside pruning_plan) records into the outer plan;
+    # with the same rules it also counts the outer's matches (pruning_plan given the model's rules).
+    matched = outer.matched if outer is not None and outer.rules == rules else set()
+    active = _Active(rules, matched, outer.plan if outer else None, outer.prefixes if outer else {})
     token = _ACTIVE.set(active)
     try:
         yield
@@ -127,6 +161,51 @@ class LayerPlan:
     input: jax.ShapeDtypeStruct
 
 
+@dataclasses.dataclass(frozen=True)
+class PruningPlan(Sequence[LayerPlan]):
+    """What ``pruning_plan`` found: the compressing calls in call order (indexable and iterable like
+    the list earlier versions returned); ``str()`` is a table with each input's bytes, dense and as
+    kept for the backward pass."""
+
+    layers: tuple[LayerPlan, ...]
+
+    @overload
+    def __getitem__(self, i: int) -> LayerPlan: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[LayerPlan, ...]: ...
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __str__(self) -> str:
+        rows = [("module path", "compression", "input", "dense KiB", "kept KiB")]
+        for layer in self.layers:
+            shape = f"{layer.input.dtype}[{','.join(map(str, layer.input.shape))}]"
+            dense = math.prod(layer.input.shape) * jnp.dtype(layer.input.dtype).itemsize
+            rows.append((layer.path or "-", _describe(layer.compression), shape, f"{dense / 1024:.1f}", f"{_kept_bytes(layer) / 1024:.1f}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+        return "\n".join([*lines, f"{len(self.layers)} compressed call(s)"])
+
+
+def _describe(compression: Compression) -> str:
+    """The compression's fields that differ from their defaults: ``Pruning(0.7, block=(8, 8))``."""
+    fields = dataclasses.fields(compression)
+    first, rest = getattr(compression, fields[0].name), fields[1:]
+    defaults = type(compression)(first)
+    changed = [f"{f.name}={getattr(compression, f.name)!r}" for f in rest if getattr(compression, f.name) != getattr(defaults, f.name)]
+    return f"{type(compression).__name__}({', '.join([repr(first), *changed])})"
+
+
+def _kept_bytes(layer: LayerPlan) -> int:
+    """Bytes of ``compression.compress(input)`` (shapes only; a stochastic one drawn with a dummy key)."""
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if layer.compression.needs_key else None
+    kept = jax.eval_shape(layer.compression.compress, layer.input, key)
+    return kept.nbytes
+
+
 def record(path: str, compression: Compression, x: Any) -> None:
     """Called by every compressing layer with what it resolved; collected by ``pruning_plan``."""
     active = _ACTIVE.get()
@@ -134,14 +213,16 @@ def record(path: str, compression: Compression, x: Any) -> None:
         active.plan.append(LayerPlan(path, compression, jax.ShapeDtypeStruct(x.shape, x.dtype)))
 
 
-def pruning_plan(apply_fn: Callable[..., Any], *args: Any, rules: Sequence[Rule] = (), **kwargs: Any) -> list[LayerPlan]:
+def pruning_plan(apply_fn: Callable[..., Any], *args: Any, rules: Rule | Sequence[Rule] = (), **kwargs: Any) -> PruningPlan:
     """What each compressing layer of ``apply_fn(*args, **kwargs)`` resolves, in call order
-    (traced with ``jax.eval_shape``; nothing runs). Layers that stay dense are left out."""
+    (traced with ``jax.eval_shape``; nothing runs). Layers that stay dense are left out. ``rules``:
+    applied around the call (a ``compress_model`` model's ``apply`` brings its own; passing the same
+    rules again is fine)."""
     outer = _ACTIVE.get()
-    rules = tuple(rules) or (outer.rules if outer else ())
+    rules = as_rules(rules, "rules") or (outer.rules if outer else ())
     with use_rules(rules):
         active = _ACTIVE.get()
         active.plan = []
         jax.eval_shape(apply_fn, *args, **kwargs)
         plan = active.plan
-    return [layer for layer in plan if layer.compression.saves_memory(layer.input)]
+    return PruningPlan(tuple(layer for layer in plan if layer.compression.saves_memory(layer.input)))

@@ -5,7 +5,10 @@ Our own equivalents (not copies) of google-research/vision_transformer's MLP-Mix
 TransformerLM (``EncoderDecoder1DBlock``, ReLU MLP, causal + padding mask) and a LayerNorm + two
 Linear NNX model. They use plain ``nn.Dense``/``nn.DenseGeneral`` (inside
 ``nn.MultiHeadDotProductAttention``)/``nn.LayerNorm``/``nn.gelu``/``nn.relu`` and know nothing of
-bsr_jax: ``compress_model`` and the lean neighbours must handle them unmodified.
+bsr_jax: ``compress_model`` and the lean neighbours must handle them unmodified. GPT-2 and Llama
+are written as transformers' Flax models are: custom projection modules and bare products on
+parameters, activations from an ``ACT2FN`` dict, heads tied through nested applies, hand-written
+RMSNorm, SwiGLU and einsum attention with rotary embeddings.
 
 ``ISSUE`` is issue 13's configuration (4 layers, width 128, MLP 512, batch 8); ``TINY`` is small
 enough for unit tests. Images are 32x32x3 with 4x4 patches (64 tokens); the LM reads 64 tokens of a
@@ -15,10 +18,12 @@ enough for unit tests. Images are 32x32x3 with 4x4 patches (64 tokens); the LM r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -309,3 +314,222 @@ def jitter(params, seed: int = 0, scale: float = 0.05):
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     noisy = [p + scale * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)]
     return jax.tree.unflatten(treedef, noisy)
+
+
+# ---- GPT-2 and Llama as a widely used model library writes them in Flax ----
+# Projections are the library's own modules or bare products on ``self.param``s (not nn.Dense),
+# activations come from a dict of functions bound at import, the LM heads are tied through a nested
+# ``apply`` / ``Embed.attend``, and Llama's norm, gated MLP and attention are written by hand.
+
+
+def quick_gelu(x):
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+ACT2FN = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "quick_gelu": quick_gelu,
+}
+
+
+class FlaxConv1D(nn.Module):
+    """GPT-2's projection: kernel stored (out, in), applied with ``lax.dot_general`` on its transpose."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, inputs):
+        kernel = self.param("kernel", nn.initializers.normal(stddev=0.02), (self.features, inputs.shape[-1]))
+        kernel = jnp.asarray(kernel.transpose(), inputs.dtype)
+        y = jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))
+        return y + jnp.asarray(self.param("bias", nn.initializers.zeros, (self.features,)), inputs.dtype)
+
+
+class GPT2Attention(nn.Module):
+    width: int
+    heads: int
+
+    def setup(self):
+        self.c_attn = FlaxConv1D(3 * self.width)
+        self.c_proj = FlaxConv1D(self.width)
+
+    def __call__(self, h):
+        b, t, e = h.shape
+        q, k, v = jnp.split(self.c_attn(h), 3, axis=2)
+        q, k, v = (a.reshape(b, t, self.heads, e // self.heads) for a in (q, k, v))
+        mask = nn.make_causal_mask(jnp.ones((b, t), "bool"), dtype="bool")
+        bias = jax.lax.select(mask, jnp.zeros(mask.shape, h.dtype), jnp.full(mask.shape, -1e4, h.dtype))
+        weights = nn.dot_product_attention_weights(q, k, bias=bias)
+        out = jnp.einsum("...hqk,...khd->...qhd", weights, v)
+        return self.c_proj(out.reshape(b, t, e))
+
+
+class GPT2MLP(nn.Module):
+    hidden: int
+    width: int
+    activation: str = "gelu_new"
+
+    def setup(self):
+        self.c_fc = FlaxConv1D(self.hidden)
+        self.c_proj = FlaxConv1D(self.width)
+        self.act = ACT2FN[self.activation]
+
+    def __call__(self, h):
+        return self.c_proj(self.act(self.c_fc(h)))
+
+
+class GPT2Block(nn.Module):
+    width: int
+    hidden: int
+    heads: int
+
+    def setup(self):
+        self.ln_1 = nn.LayerNorm(epsilon=1e-5)
+        self.attn = GPT2Attention(self.width, self.heads)
+        self.ln_2 = nn.LayerNorm(epsilon=1e-5)
+        self.mlp = GPT2MLP(self.hidden, self.width)
+
+    def __call__(self, h):
+        h = h + self.attn(self.ln_1(h))
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT2Module(nn.Module):
+    vocab: int
+    width: int
+    hidden: int
+    heads: int
+    layers: int
+    length: int
+
+    def setup(self):
+        self.wte = nn.Embed(self.vocab, self.width, embedding_init=nn.initializers.normal(stddev=0.02))
+        self.wpe = nn.Embed(self.length, self.width, embedding_init=nn.initializers.normal(stddev=0.02))
+        self.h = [GPT2Block(self.width, self.hidden, self.heads, name=str(i)) for i in range(self.layers)]
+        self.ln_f = nn.LayerNorm(epsilon=1e-5)
+
+    def __call__(self, tokens):
+        h = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1])[None])
+        for block in self.h:
+            h = block(h)
+        return self.ln_f(h)
+
+
+class GPT2LMHead(nn.Module):
+    """Tied head: the word embedding, transposed, applied through the head's own nested ``apply``."""
+
+    vocab: int
+    width: int
+    hidden: int
+    heads: int
+    layers: int
+    length: int
+
+    def setup(self):
+        self.transformer = GPT2Module(self.vocab, self.width, self.hidden, self.heads, self.layers, self.length)
+        self.lm_head = nn.Dense(self.vocab, use_bias=False)
+
+    def __call__(self, tokens):
+        h = self.transformer(tokens)
+        shared_kernel = self.transformer.variables["params"]["wte"]["embedding"].T
+        return self.lm_head.apply({"params": {"kernel": shared_kernel}}, h)
+
+
+class LlamaRMSNorm(nn.Module):
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, h):
+        weight = self.param("weight", nn.initializers.ones, (h.shape[-1],))
+        variance = jnp.mean(jnp.asarray(h, jnp.float32) ** 2, axis=-1, keepdims=True)
+        return weight * (h * jax.lax.rsqrt(variance + self.eps)).astype(h.dtype)
+
+
+def rotate_half(x):
+    first, second = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-second, first], axis=-1)
+
+
+def rotary(length: int, depth: int):
+    """(length, 1, depth) cos and sin tables, as numpy constants (computed once, at trace time)."""
+    inv = 1.0 / (10000 ** (np.arange(0, depth, 2) / depth))
+    angles = np.concatenate([np.outer(np.arange(length), inv)] * 2, axis=-1)[:, None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v/o as einsums on the module's own kernels; scores, softmax and mixing as einsums."""
+
+    width: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, h):
+        b, t, _ = h.shape
+        d = self.width // self.heads
+        init = nn.initializers.normal(stddev=0.02)
+        wq, wk, wv = (self.param(n, init, (self.width, self.heads, d)) for n in ("q_proj", "k_proj", "v_proj"))
+        wo = self.param("o_proj", init, (self.heads, d, self.width))
+        q, k, v = (jnp.einsum("btd,dhk->bthk", h, w) for w in (wq, wk, wv))
+        cos, sin = rotary(t, d)
+        q, k = (a * cos + rotate_half(a) * sin for a in (q, k))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d).astype(np.float32)
+        scores = jnp.where(np.tril(np.ones((t, t), bool)), scores, jnp.finfo(scores.dtype).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return jnp.einsum("bthk,hkd->btd", out, wo)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU with ``x @ w`` products and the activation from ACT2FN."""
+
+    width: int
+    hidden: int
+    activation: str = "silu"
+
+    @nn.compact
+    def __call__(self, h):
+        init = nn.initializers.normal(stddev=0.02)
+        gate = self.param("gate_proj", init, (self.width, self.hidden))
+        up = self.param("up_proj", init, (self.width, self.hidden))
+        down = self.param("down_proj", init, (self.hidden, self.width))
+        return (ACT2FN[self.activation](h @ gate) * (h @ up)) @ down
+
+
+class LlamaBlock(nn.Module):
+    width: int
+    hidden: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, h):
+        h = h + LlamaAttention(self.width, self.heads, name="self_attn")(LlamaRMSNorm(name="input_layernorm")(h))
+        return h + LlamaMLP(self.width, self.hidden, name="mlp")(LlamaRMSNorm(name="post_attention_layernorm")(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Tied head through ``Embed.attend``."""
+
+    vocab: int
+    width: int
+    hidden: int
+    heads: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(self.vocab, self.width, embedding_init=nn.initializers.normal(stddev=0.02), name="embed_tokens")
+        h = embed(tokens)
+        for i in range(self.layers):
+            h = LlamaBlock(self.width, self.hidden, self.heads, name=f"layers_{i}")(h)
+        return embed.attend(LlamaRMSNorm(name="norm")(h))
+
+
+def gpt2(c: Config = ISSUE) -> GPT2LMHead:
+    return GPT2LMHead(c.vocab, c.width, c.mlp, c.heads, c.layers, c.length)
+
+
+def llama(c: Config = ISSUE) -> LlamaForCausalLM:
+    return LlamaForCausalLM(c.vocab, c.width, c.mlp, c.heads, c.layers)

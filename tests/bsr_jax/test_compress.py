@@ -98,7 +98,7 @@ def test_nnx_model():
     chex.assert_trees_all_equal_structs(nnx.split(compressed)[1], state)
     grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(compressed)
     chex.assert_trees_all_close(grads["norm"], dense_grads["norm"], rtol=1e-4, atol=1e-5)
-    assert not np.allclose(grads["fc1"]["kernel"].value, dense_grads["fc1"]["kernel"].value, rtol=1e-4)
+    assert not np.allclose(grads["fc1"]["kernel"][...], dense_grads["fc1"]["kernel"][...], rtol=1e-4)
 
 
 class _ThreeHeads(nn.Module):
@@ -169,6 +169,8 @@ def test_rules_first_match_none_and_defaults():
         compress_model(model, [Rule("blocks/*", Pruning(0.5))]).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="bsr_jax.Rule"):
         compress_model(model, [("fc1", 0.5)])
+    with pytest.raises(TypeError, match="rules must be a bsr_jax.Rule or a list of them"):
+        compress_model(model, Pruning(0.5))
     with pytest.raises(ValueError, match="compression must be"):
         Rule("fc1", 0.5)
 

@@ -1,0 +1,133 @@
+"""compress_model on models written as transformers' Flax models are (tests/third_party_models.py):
+projections in custom modules (``lax.dot_general`` on a transposed kernel, ``x @ w``, einsums),
+heads tied through nested applies, against plain autodiff of the unmodified model."""
+
+import warnings
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+import third_party_models as tpm
+
+import bsr_jax
+from bsr_jax import Pruning, Rule, compress_model
+
+PRUNE = Rule("*", Pruning(0.7, block=8))  # one Rule, not a list: accepted
+GPT2_LAYERS = {f"transformer/{i}/{p}" for i in range(2) for p in ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")} | {"lm_head"}
+LLAMA_LAYERS = {f"layers_{i}/{p}" for i in range(2) for p in ("self_attn", "mlp")} | {"embed_tokens"}
+
+
+def _model(name):
+    c = tpm.TINY
+    model, x = getattr(tpm, name)(c), tpm.tokens(c)
+    return model, x, tpm.jitter(model.init(jax.random.key(0), x))
+
+
+def _loss(model):
+    return lambda p, x: tpm.lm_loss(model.apply(p, x), x)
+
+
+def _no_warnings(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return fn()
+
+
+@pytest.mark.parametrize("name,layers,calls", [("gpt2", GPT2_LAYERS, 9), ("llama", LLAMA_LAYERS, 15)])
+def test_every_projection_routed_forward_bitwise_and_only_kernel_grads_approximate(name, layers, calls):
+    model, x, params = _model(name)
+    compressed = compress_model(model, PRUNE)
+    plan = _no_warnings(lambda: bsr_jax.pruning_plan(compressed.apply, params, x))
+    assert {layer.path for layer in plan} == layers and len(plan) == calls  # Llama: q, k, v, o, gate, up, down per layer
+    chex.assert_trees_all_equal(compressed.apply(params, x), model.apply(params, x))
+    got, want = (jax.jit(jax.grad(_loss(m)))(params, x) for m in (compressed, model))
+    differing = []
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        if g.ndim >= 2 and "wpe" not in jax.tree_util.keystr(path):  # kernels (and tied embeddings)
+            differing.append(not np.allclose(g, w, rtol=1e-4, atol=1e-6))
+        else:  # biases, norm scales, position embeddings: upstream of exact dx only
+            chex.assert_trees_all_close(g, w, rtol=2e-5, atol=2e-6)
+    assert all(differing)
+
+
+def test_custom_projection_weight_gradient_is_the_masked_reference():
+    """GPT-2's c_fc (``lax.dot_general(x, kernel.T)``): dW = (kept(x).T @ dy).T, with x and dy
+    read from the dense model (dx exact, so dy is the dense one)."""
+    model, x, params = _model("gpt2")
+    target = "transformer/0/mlp/c_fc"
+    inputs = {}
+
+    def loss_with_probe(params, probe):
+        def add_probe(next_fun, args, kwargs, context):
+            y = next_fun(*args, **kwargs)
+            if "/".join(context.module.path) == target and context.method_name == "__call__":
+                inputs["x"] = jax.lax.stop_gradient(args[0])
+                return y + probe
+            return y
+
+        with nn.intercept_methods(add_probe):
+            return _loss(model)(params, x)
+
+    probe = jnp.zeros((x.shape[0], x.shape[1], 64))
+    dy = jax.grad(loss_with_probe, 1)(params, probe)
+    loss_with_probe(params, probe)  # outside the transformation: inputs["x"] is an array
+    kept = reference.kept_input(np.asarray(inputs["x"], np.float64).reshape(-1, 32), 0.7, 8)
+    want = (kept.T @ np.asarray(dy, np.float64).reshape(kept.shape[0], -1)).T
+    got = jax.grad(_loss(compress_model(model, PRUNE)))(params, x)["params"]["transformer"]["0"]["mlp"]["c_fc"]["kernel"]
+    chex.assert_trees_all_close(got, want.astype(np.float32), rtol=1e-4, atol=1e-5)
+
+
+def test_rules_plan_and_report_agree_on_paths_including_nested_applies():
+    model, x, params = _model("gpt2")
+    rules = [Rule("lm_head", None), Rule("transformer/*", Pruning(0.7, block=8))]
+    compressed = compress_model(model, rules)
+    compressed.init(jax.random.key(0), x)  # a rule naming the nested head or custom layers matches
+    plan = bsr_jax.pruning_plan(compressed.apply, params, x, rules=rules)  # the model's own rules again
+    assert {layer.path for layer in plan} == GPT2_LAYERS - {"lm_head"}
+    report = bsr_jax.residual_report(_loss(compressed), params, x)
+    assert {r.path for r in report.rows if r.kind == "compressed"} == GPT2_LAYERS - {"lm_head"}
+    head = bsr_jax.residual_report(_loss(compress_model(model, Rule("lm_head", Pruning(0.7, block=8)))), params, x)
+    assert {r.path for r in head.rows if r.kind == "compressed"} == {"lm_head"}
+    assert "lm_head" in str(bsr_jax.pruning_plan(compress_model(model, PRUNE).apply, params, x))
+
+
+def test_stochastic_pruning_reaches_nested_applies_through_the_callers_rngs():
+    model, x, params = _model("gpt2")
+    compressed = compress_model(model, Rule("*", Pruning(0.7, block=8, stochastic=True)))
+    loss = lambda p, key: tpm.lm_loss(compressed.apply(p, x, rngs={"pruning": key}), x)
+    grads = [jax.jit(jax.grad(loss))(params, jax.random.key(k))["params"]["transformer"]["wte"]["embedding"] for k in (1, 2)]
+    assert not np.allclose(grads[0], grads[1])  # the tied head's dW is sampled with each key
+
+
+class _PerHead(nn.Module):
+    """A parameter used with a batch axis (one matrix per head): not a linear map on it."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(), (2, 8, 8))
+        y = jnp.einsum("bhd,hdf->bhf", x, w)
+        return jnp.einsum("bhd,hdf->bhf", y, w)
+
+
+def test_unroutable_products_on_parameters_warn_once_per_layer_and_stay_exact():
+    x = jax.random.normal(jax.random.key(0), (16, 2, 8))
+    layer = _PerHead()
+    params = layer.init(jax.random.key(1), x)
+    compressed = compress_model(layer, PRUNE)
+    with pytest.warns(UserWarning, match="the root module stays dense: .*batch axes") as caught:
+        got = jax.grad(lambda p: jnp.sum(jnp.sin(compressed.apply(p, x))))(params)
+    assert len([w for w in caught if "stays dense" in str(w.message)]) == 1
+    chex.assert_trees_all_equal(got, jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply(p, x))))(params))
+
+
+@pytest.mark.parametrize("name,limit", [("gpt2", 0.80), ("llama", 0.95)])
+def test_residual_bytes_fall(name, limit):
+    c = tpm.ISSUE
+    model, x = getattr(tpm, name)(c), tpm.tokens(c)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    activations = lambda m: (lambda r: r.activations + r.inputs)(bsr_jax.residual_bytes(_loss(m), params, x))
+    assert activations(compress_model(model, PRUNE)) <= limit * activations(model)
