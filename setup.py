@@ -6,6 +6,8 @@ import jaxlib
 from setuptools import Extension, setup
 
 setup(
+    # The header is compiled into the extension, not imported; listed so that an sdist carries it.
+    package_data={"cpu_kernels": ["tile_kernel.h"]},
     ext_modules=[
         Extension(
             "cpu_kernels._bsr_t_matmul",
