@@ -230,7 +230,8 @@ class Pruning:
         lm1b LM, GPT-2, Llama; width 128, batch 8, normal inputs; ``benchmarks/storage_error.py``).
         Down projections (inputs after GELU/SwiGLU) have the largest errors.
       stochastic: sample blocks with probability by magnitude and rescale them (priority sampling,
-        unbiased weight gradient; see ``from_dense``); needs a PRNG key when differentiated.
+        unbiased weight gradient; see ``from_dense``); needs a PRNG key when differentiated: in Flax
+        models from the ``"pruning"`` rng stream (``apply(..., rngs={"pruning": key})``), ``key=`` in the ops.
       rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; ``"int8"``/``"int4"`` storage only;
         needs a PRNG key when differentiated).
     """
