@@ -5,11 +5,12 @@
 // dense matmul it replaces. This kernel reads dy in place instead:
 //
 // * The result's N columns are cut into tiles; a tile of dW, (Kb * bk, Tile) f32, stays in L2
-//   while every kept block is applied to it, and tiles are shared out between threads of XLA's
-//   intra-op pool, each tile with exactly one writer (no atomics, deterministic).
-// * Inside a tile, blocks are visited in block-row order (a counting sort of the column-major
-//   layout), so the slab of dy a block-row multiplies is loaded once from memory and reused from
-//   L1 by every kept block of that row (tile_kernel.h).
+//   while every kept block is applied to it. Tiles (split by block-columns when there are too few
+//   to keep every thread busy) are shared out between threads of XLA's intra-op pool, each part of
+//   dW with exactly one writer (no atomics, deterministic).
+// * Inside a tile, blocks are visited a panel of block-rows at a time (a counting sort of the
+//   column-major layout), so the slab of dy a panel multiplies is loaded once from memory and
+//   reused from L1 by every kept block in it (tile_kernel.h).
 // * Kept values may be stored as f32, bf16, int8 or packed int4 with per-block scales; they are
 //   decoded a block at a time inside the kernel, so no f32 copy of x is ever made.
 // * The register blocking is sized per instruction set and the set is chosen per call (an
@@ -51,14 +52,14 @@ using Avx512Blocking = Blocking<Vec16, 4, 4, 64>;
 
 using TileFn = void (*)(const Problem&, int64_t, const Workspace&);
 
-void RunTilePortable(const Problem& p, int64_t tile, const Workspace& w) { RunTile<PortableBlocking>(p, tile, w); }
+void RunItemPortable(const Problem& p, int64_t item, const Workspace& w) { RunItem<PortableBlocking>(p, item, w); }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma"))) void RunTileAvx2(const Problem& p, int64_t tile, const Workspace& w) {
-  RunTile<Avx2Blocking>(p, tile, w);
+__attribute__((target("avx2,fma"))) void RunItemAvx2(const Problem& p, int64_t item, const Workspace& w) {
+  RunItem<Avx2Blocking>(p, item, w);
 }
-__attribute__((target("avx512f,avx2,fma"))) void RunTileAvx512(const Problem& p, int64_t tile, const Workspace& w) {
-  RunTile<Avx512Blocking>(p, tile, w);
+__attribute__((target("avx512f,avx2,fma"))) void RunItemAvx512(const Problem& p, int64_t item, const Workspace& w) {
+  RunItem<Avx512Blocking>(p, item, w);
 }
 #endif
 
@@ -79,29 +80,29 @@ struct Path {
 
 Path PathFor(int64_t isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (isa == kAvx512) return {RunTileAvx512, Avx512Blocking::Tile};
-  if (isa == kAvx2) return {RunTileAvx2, Avx2Blocking::Tile};
+  if (isa == kAvx512) return {RunItemAvx512, Avx512Blocking::Tile};
+  if (isa == kAvx2) return {RunItemAvx2, Avx2Blocking::Tile};
 #endif
-  return {RunTilePortable, PortableBlocking::Tile};
+  return {RunItemPortable, PortableBlocking::Tile};
 }
 
-// Tiles go to whichever thread asks next. The calling thread works too and waits only for tiles
-// already taken, so the call finishes even when no pool thread is free; state that a late helper
-// may still touch lives in a shared_ptr.
-struct TileQueue {
+// Work items go to whichever thread asks next. The calling thread works too and waits only for
+// items already taken, so the call finishes even when no pool thread is free; state that a late
+// helper may still touch lives in a shared_ptr.
+struct WorkQueue {
   std::atomic<int64_t> next{0};
   int64_t done = 0;
   std::mutex mutex;
   std::condition_variable all_done;
 };
 
-void Drain(const Problem& p, Path path, int64_t tiles, TileQueue& queue) {
+void Drain(const Problem& p, Path path, int64_t items, WorkQueue& queue) {
   std::vector<float> values(p.panel * p.bm * p.bk), panel(p.panel * p.bm * path.tile), tile(p.kb * p.bk * path.tile);
   const Workspace w{values.data(), panel.data(), tile.data()};
-  for (int64_t t; (t = queue.next.fetch_add(1)) < tiles;) {
+  for (int64_t t; (t = queue.next.fetch_add(1)) < items;) {
     path.run(p, t, w);
     std::lock_guard<std::mutex> lock(queue.mutex);
-    if (++queue.done == tiles) queue.all_done.notify_all();
+    if (++queue.done == items) queue.all_done.notify_all();
   }
 }
 
@@ -182,12 +183,18 @@ ffi::Error BsrTMatmul(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::Buffer<f
 
   const Path path = PathFor(isa);
   const int64_t tiles = (p.n + path.tile - 1) / path.tile;
-  auto queue = std::make_shared<TileQueue>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tiles) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p, path, tiles, queue] { Drain(p, path, tiles, *queue); });
-  Drain(p, path, tiles, *queue);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // Narrow results (N = 384 is 4 AVX2 tiles; a 16-thread pool) leave threads idle unless a tile's
+  // block-columns are split too: aim for two items per thread. Each split re-reads the dy panels,
+  // and the sums of each dW element keep their order, so results do not depend on the split.
+  p.groups = tiles ? std::clamp<int64_t>((2 * threads + tiles - 1) / tiles, 1, std::max<int64_t>(p.kb, 1)) : 1;
+  const int64_t items = tiles * p.groups;
+  auto queue = std::make_shared<WorkQueue>();
+  const int64_t helpers = std::min(threads, items) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p, path, items, queue] { Drain(p, path, items, *queue); });
+  Drain(p, path, items, *queue);
   std::unique_lock<std::mutex> lock(queue->mutex);
-  queue->all_done.wait(lock, [&] { return queue->done == tiles; });
+  queue->all_done.wait(lock, [&] { return queue->done == items; });
   return ffi::Error::Success();
 }
 

@@ -1,4 +1,4 @@
-// One tile of dW = x.T @ dy from kept blocks: the arithmetic of cpu_kernels/bsr_t_matmul.cc, as
+// One work item of dW = x.T @ dy from kept blocks: the arithmetic of cpu_kernels/bsr_t_matmul.cc, as
 // templates on a register-blocking shape (one per instruction set) and on the stored value type.
 //
 // Everything here is always inlined into the per-instruction-set entry points of bsr_t_matmul.cc,
@@ -31,6 +31,7 @@ struct Problem {
   float* out;              // (Kb * bk, N)
   int64_t cap, bm, bk, mb, kb, n;  // cap: used slots
   int64_t panel, panels;   // block-rows per panel (kPanelRows / bm, at least 1), and their number
+  int64_t groups;          // block-column groups per tile (work items: tiles x groups)
 };
 
 // A register-blocking shape: Vec holds W floats; the micro-kernel keeps a G x V grid of Vecs as
@@ -104,20 +105,14 @@ BSR_INLINE void UpdateColumns(const Run& run, int64_t bm, int64_t bk, int64_t e0
   for (; c0 < bk; ++c0) UpdateVectors<Vec, 1, V>(run, bm, bk, c0, e0, out, ld);
 }
 
-// A run's update of `width` (<= B::Tile) columns: whole G x V steps, then single vectors, then
-// the last width % W columns one float at a time.
+// A run's update of `width` columns, a multiple of W up to B::Tile: whole G x V steps, then
+// single vectors.
 template <class B>
 BSR_INLINE void UpdateRun(const Run& run, int64_t bm, int64_t bk, float* out, int64_t ld, int64_t width) {
   int64_t e0 = 0;
   for (; e0 + B::V * B::W <= width; e0 += B::V * B::W)
     UpdateColumns<typename B::Vec, B::G, B::V>(run, bm, bk, e0, out, ld);
-  for (; e0 + B::W <= width; e0 += B::W) UpdateColumns<typename B::Vec, B::G, 1>(run, bm, bk, e0, out, ld);
-  for (int i = 0; i < run.count; ++i)
-    for (int64_t c = 0; c < bk; ++c)
-      for (int64_t r = 0; r < bm; ++r) {
-        const float s = run.v[i][r * bk + c];
-        for (int64_t e = e0; e < width; ++e) out[c * ld + e] += s * run.dy[i][r * ld + e];
-      }
+  for (; e0 < width; e0 += B::W) UpdateColumns<typename B::Vec, B::G, 1>(run, bm, bk, e0, out, ld);
 }
 
 // Block b's values as bm * bk floats: f32 blocks in place, others decoded (and scaled) into
@@ -160,46 +155,62 @@ struct Workspace {
   float* tile;
 };
 
-// Tile `tile` of dW (its B::Tile columns, all Kb * bk rows). Block-rows are taken a panel of
-// p.panel at a time (kPanelRows rows of dy; p.order lists each panel's blocks by column), so a
-// panel of dy is read from memory once and reused from L1 by all its kept blocks. The panel and
-// the dW tile are copied into contiguous buffers: in place their rows lie N floats apart, and at
-// N = 1536 (6 KiB) they fall into two L1 sets' worth of lines and evict each other (the AVX2 path
-// ran 40% slower there than at N = 384).
+// Work item `item` of dW: tile item / groups (its B::Tile columns) of the block-columns in group
+// item % groups (all groups when the tiles alone are enough to share out between the threads).
+// Block-rows are taken a panel of p.panel at a time (kPanelRows rows of dy; p.order lists each
+// panel's blocks by column), so a panel of dy is read from memory once and reused from L1 by all
+// its kept blocks. The panel and the dW tile are copied into contiguous buffers: in place their
+// rows lie N floats apart, and at N = 1536 (6 KiB) they fall into two L1 sets' worth of lines and
+// evict each other (the AVX2 path ran 40% slower there than at N = 384).
 template <class B, Stored S>
-BSR_INLINE void RunTileTyped(const Problem& p, int64_t tile, const Workspace& w) {
+BSR_INLINE void RunItemTyped(const Problem& p, int64_t item, const Workspace& w) {
   constexpr int64_t ld = B::Tile;
-  const int64_t n0 = tile * ld;
+  const int64_t n0 = item / p.groups * ld;
   const int64_t width = std::min(ld, p.n - n0);
+  const int64_t vector_width = (width + B::W - 1) / B::W * B::W;
+  const int64_t col_begin = item % p.groups * p.kb / p.groups;
+  const int64_t col_end = (item % p.groups + 1) * p.kb / p.groups;
   const int64_t block_size = p.bm * p.bk;
-  std::memset(w.tile, 0, p.kb * p.bk * ld * sizeof(float));
+  float* const tile = w.tile + col_begin * p.bk * ld;
+  std::memset(tile, 0, (col_end - col_begin) * p.bk * ld * sizeof(float));
+  const auto column_before = [&](int32_t b, int64_t col) { return p.cols[b] < col; };
   for (int64_t panel = 0; panel < p.panels; ++panel) {
+    const int32_t* first = p.order + p.panel_start[panel];
+    const int32_t* last = p.order + p.panel_start[panel + 1];
+    if (p.groups > 1) {
+      first = std::lower_bound(first, last, col_begin, column_before);
+      last = std::lower_bound(first, last, col_end, column_before);
+    }
+    if (first == last) continue;
     const int64_t first_row = panel * p.panel * p.bm;
     const int64_t rows = std::min(p.panel * p.bm, p.mb * p.bm - first_row);
-    if (p.panel_start[panel] == p.panel_start[panel + 1]) continue;
-    for (int64_t r = 0; r < rows; ++r)
+    // The last tile's columns past N are zeros in the panel, so whole vectors run over them (into
+    // dW columns that are never copied out) instead of a scalar loop.
+    for (int64_t r = 0; r < rows; ++r) {
       std::memcpy(w.panel + r * ld, p.dy + (first_row + r) * p.n + n0, width * sizeof(float));
-    for (int64_t q = p.panel_start[panel]; q < p.panel_start[panel + 1];) {
-      const int64_t col = p.cols[p.order[q]];
+      std::memset(w.panel + r * ld + width, 0, (vector_width - width) * sizeof(float));
+    }
+    for (const int32_t* q = first; q < last;) {
+      const int64_t col = p.cols[*q];
       Run run;
-      for (; q < p.panel_start[panel + 1] && p.cols[p.order[q]] == col && run.count < p.panel; ++q, ++run.count) {
-        const int64_t b = p.order[q];
-        run.v[run.count] = BlockValues<S>(p, b, w.values + run.count * block_size);
-        run.dy[run.count] = w.panel + (p.rows[b] * p.bm - first_row) * ld;
+      for (; q < last && p.cols[*q] == col && run.count < p.panel; ++q, ++run.count) {
+        run.v[run.count] = BlockValues<S>(p, *q, w.values + run.count * block_size);
+        run.dy[run.count] = w.panel + (p.rows[*q] * p.bm - first_row) * ld;
       }
-      UpdateRun<B>(run, p.bm, p.bk, w.tile + col * p.bk * ld, ld, width);
+      UpdateRun<B>(run, p.bm, p.bk, w.tile + col * p.bk * ld, ld, vector_width);
     }
   }
-  for (int64_t k = 0; k < p.kb * p.bk; ++k) std::memcpy(p.out + k * p.n + n0, w.tile + k * ld, width * sizeof(float));
+  for (int64_t k = col_begin * p.bk; k < col_end * p.bk; ++k)
+    std::memcpy(p.out + k * p.n + n0, w.tile + k * ld, width * sizeof(float));
 }
 
 template <class B>
-BSR_INLINE void RunTile(const Problem& p, int64_t tile, const Workspace& w) {
+BSR_INLINE void RunItem(const Problem& p, int64_t item, const Workspace& w) {
   switch (p.stored) {
-    case Stored::kF32: return RunTileTyped<B, Stored::kF32>(p, tile, w);
-    case Stored::kBF16: return RunTileTyped<B, Stored::kBF16>(p, tile, w);
-    case Stored::kInt8: return RunTileTyped<B, Stored::kInt8>(p, tile, w);
-    case Stored::kInt4: return RunTileTyped<B, Stored::kInt4>(p, tile, w);
+    case Stored::kF32: return RunItemTyped<B, Stored::kF32>(p, item, w);
+    case Stored::kBF16: return RunItemTyped<B, Stored::kBF16>(p, item, w);
+    case Stored::kInt8: return RunItemTyped<B, Stored::kInt8>(p, item, w);
+    case Stored::kInt4: return RunItemTyped<B, Stored::kInt4>(p, item, w);
   }
 }
 
