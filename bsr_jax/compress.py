@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from bsr_jax import intercept
+from bsr_jax import barriers, intercept
 from bsr_jax import lean as lean_ops
 from bsr_jax import rules as rules_lib
 from bsr_jax import sharding
@@ -78,7 +78,10 @@ class _SharedBlocks:
             flat = jax.lax.stop_gradient(x.reshape(-1, x.shape[-1]))
             # Under a mesh, per shard of the rows (as each op compresses its own): the blocks stay
             # on the devices owning the rows, and pruned_dot_general takes them shard by shard.
-            entry = self.cache[cache_key] = (source, sharding.compress_rows(pruning.compress, flat, key))
+            # Named (for remat policies) but not behind a per-layer barrier: each layer's barrier
+            # would give it a copy of its own.
+            kept = barriers.named(sharding.compress_rows(pruning.compress, flat, key))
+            entry = self.cache[cache_key] = (source, kept)
         return entry[1]
 
 

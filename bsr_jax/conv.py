@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax.linen.linear import canonicalize_padding
 from jax import lax
 
-from bsr_jax import rules, sharding
+from bsr_jax import barriers, rules, sharding
 from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.pooling import PooledMap, Pooling
 from bsr_jax.rules import Compression
@@ -81,11 +81,13 @@ def _compressed_conv(x: jax.Array, w: jax.Array, key: jax.Array | None, config: 
 
 def _compressed_conv_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its compressed form (and w, for dx) is.
-    return _conv(x, w, config), (config.compression.compress(x, key), w)
+    y, kept = barriers.materialize(_conv(x, w, config), config.compression.compress(x, key))
+    return y, (kept, w)
 
 
 def _compressed_conv_bwd(config, residuals, dy):
     kept, w = residuals
+    kept, dy = barriers.when_needed(kept, dy)
     x_hat = reconstructed_input(kept, config.input_shape)
     # The convolution is bilinear: its VJP at (x_hat, w) gives the exact dx (the transpose in x
     # reads only w and dy) and dW at x_hat. Differentiating at x_hat, which is computed from x,

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bsr_jax import sharding
+from bsr_jax import barriers, sharding
 from bsr_jax.format import BlockSparse, Pruning, as_pruning, check_key
 from bsr_jax.linear import check_floating
 
@@ -38,11 +38,13 @@ def _pruned_scale(x: jax.Array, scale: jax.Array, key: jax.Array | None, pruning
 
 
 def _pruned_scale_fwd(x, scale, key, pruning):
-    return x * scale, (pruning.compress(x, key), scale)
+    y, blocks = barriers.materialize(x * scale, pruning.compress(x, key))
+    return y, (blocks, scale)
 
 
 def _pruned_scale_bwd(pruning, residuals, dy):
     blocks, scale = residuals
+    blocks, dy = barriers.when_needed(blocks, dy)
     blocks = blocks.dequantized()
     dscale = blocksparse_column_dot(blocks, dy.reshape(-1, dy.shape[-1]))
     return (dy * scale).astype(blocks.values.dtype), dscale.astype(scale.dtype), None

@@ -43,7 +43,6 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from bsr_jax.selection import Selection, top_blocks
 
@@ -282,7 +281,8 @@ class Pruning:
         """``from_dense`` of ``x (..., K)`` flattened to ``(M, K)``, with randomness from ``key``.
 
         Runs in the backward pass's forward rule only, so a stochastic layer needs its key only when
-        it is differentiated. The arrays are named ``RESIDUAL_NAME`` for ``jax.checkpoint`` policies.
+        it is differentiated. The ops name the arrays ``RESIDUAL_NAME`` for ``jax.checkpoint``
+        policies once they are materialised (``bsr_jax.barriers.materialize``).
         """
         if self.needs_key and key is None:
             raise ValueError(
@@ -302,7 +302,7 @@ class Pruning:
             key=sample_key if self.stochastic else None,
             rounding_key=round_key if self.rounding == "stochastic" else None,
         )
-        return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), blocks)
+        return blocks
 
 
 PRUNING_OPTIONS = tuple(f.name for f in dataclasses.fields(Pruning))

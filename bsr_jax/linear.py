@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bsr_jax import backends, sharding
+from bsr_jax import backends, barriers, sharding
 from bsr_jax.format import BlockSparse, Pruning, as_pruning, check_key
 
 
@@ -62,7 +62,8 @@ def _pruned_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Conf
 def _pruned_dot_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
     x2 = merge_contracted(x, len(config.dims[0][0]))
-    return _dot(x, w, config), (config.pruning.compress(x2, key), w)
+    y, blocks = barriers.materialize(_dot(x, w, config), config.pruning.compress(x2, key))
+    return y, (blocks, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -78,7 +79,8 @@ def _dot_with_blocks_fwd(x, w, blocks, config):
 
 def _pruned_dot_bwd(config, residuals, dy):
     blocks, w = residuals
-    blocks = blocks.dequantized()
+    # The backend reads the stored blocks as they are (the cpu kernel decodes int8/int4 itself).
+    blocks, dy = barriers.when_needed(blocks, dy)
     # dx needs w only: dy contracted with w's output axes, as autodiff of the dense product does
     # (and, unlike a transpose of a fresh function, it varies over the same mesh axes as dy).
     out_axes = w.ndim - len(config.dims[0][1])
@@ -88,7 +90,7 @@ def _pruned_dot_bwd(config, residuals, dy):
     dy2 = dy.reshape(-1, math.prod(w.shape) // k)
     dy2 = jnp.pad(dy2, ((0, blocks.padded_shape[0] - dy2.shape[0]), (0, 0)))
     dw = backends.dw_from_blocks(blocks, dy2, config.backend)[:k].reshape(w.shape)
-    return dx.astype(blocks.values.dtype), dw.astype(w.dtype)
+    return dx.astype(blocks.dense_dtype or blocks.values.dtype), dw.astype(w.dtype)
 
 
 def _pruned_dot_vjp(config, residuals, dy):

@@ -19,9 +19,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
-from bsr_jax.format import RESIDUAL_NAME, BlockSparse, Pruning
+from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.quantize import StorageDtype, check_storage_dtype
 
 # Block over the pooled (rows, channels) matrix that shares one scale when the map is quantized:
@@ -133,7 +132,7 @@ class Pooling:
         """``PooledMap`` of channels-last ``x (N, *spatial, C)`` (at least one spatial dim).
 
         ``key`` is accepted for the interface ``Pruning.compress`` shares and must be ``None``.
-        The arrays are named ``RESIDUAL_NAME`` for ``jax.checkpoint`` policies.
+        The ops name the arrays ``RESIDUAL_NAME`` once materialised (``bsr_jax.barriers``).
         """
         if key is not None:
             raise ValueError("Pooling draws no random numbers: key must be None")
@@ -143,7 +142,7 @@ class Pooling:
             raise ValueError(f"x must have a floating dtype, got {x.dtype}")
         means = window_means(x, self.factor)
         if self.storage_dtype is None:
-            pooled = checkpoint_name(means, RESIDUAL_NAME)
+            pooled = means
         else:
             # Sparsity 0 keeps every block: Pruning then only quantizes (no ranking, no indices).
             storage = Pruning(sparsity=0.0, block=QUANTIZATION_BLOCK, storage_dtype=self.storage_dtype)

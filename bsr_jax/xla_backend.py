@@ -35,6 +35,7 @@ BATCHED_MIN_BLOCK = 16
 
 
 def _column_batched_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
+    bsr = bsr.dequantized()
     (mb, kb), (bm, bk) = bsr.grid, bsr.block
     count, n = bsr.column_count, dy.shape[-1]
     per_column = count * bm * n * dy.dtype.itemsize
