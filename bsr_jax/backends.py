@@ -6,7 +6,9 @@ whole block-rows) and ``dW`` is ``(Kb * bk, N)`` float32; the caller slices off 
 Names: ``"reference"`` (densify then one matmul; for tests), ``"xla"`` (pure jax.numpy; default on
 TPU), ``"cpu"`` (the C++ kernel of ``cpu_kernels``; CPU only, the default there) and ``"pallas"``
 (Pallas kernels; default on GPU). ``backend=None`` resolves to the environment variable
-``BSR_JAX_BACKEND`` if set, else by ``jax.default_backend()``. All agree to float32 rounding.
+``BSR_JAX_BACKEND`` if set, else to ``"auto"``: the backend of the platform the function is lowered
+for (``PLATFORM_DEFAULTS``; ``"xla"`` on TPU), not of the host, so compiling ahead of time for a
+GPU or TPU from a CPU machine takes the accelerator's kernels. All agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from bsr_jax.xla_backend import xla_dw
 
 DwBackend = Callable[[BlockSparse, jax.Array], jax.Array]
 ENV_VAR = "BSR_JAX_BACKEND"
-PLATFORM_DEFAULTS = {"gpu": "pallas", "cpu": "cpu"}
+# backend=None: decided when lowering, per target platform, so one jitted function compiles for any
+# target from any host (e.g. ahead of time for a TPU on a CPU machine). Platforms not named: "xla".
+PLATFORM_DEFAULTS = {"cpu": "cpu", "cuda": "pallas", "rocm": "pallas"}
+AUTO = "auto"
 # Blocks with few rows give the kernel's register tile few multiply-adds per load and store of dW:
 # at 4 rows it ran at 1.6-2.3x of dense where the xla backend's densify-and-matmul ran at 1.3-1.4x
 # (benchmarks/kernels.py, docs/kernels.md).
@@ -69,10 +74,20 @@ BACKENDS: dict[str, DwBackend] = {
 }
 
 
+def platform_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
+    """``PLATFORM_DEFAULTS``' backend of the platform being lowered for (``"xla"`` elsewhere)."""
+    branches = {platform: BACKENDS[name] for platform, name in PLATFORM_DEFAULTS.items()}
+    return jax.lax.platform_dependent(bsr, dy, default=BACKENDS["xla"], **branches)
+
+
+BACKENDS[AUTO] = platform_dw
+
+
 def resolve_backend(name: str | None) -> str:
-    """The backend name to use: the argument, else ``$BSR_JAX_BACKEND``, else by platform."""
+    """The backend name to use: the argument, else ``$BSR_JAX_BACKEND``, else ``"auto"`` (by the
+    platform lowered for)."""
     if name is None:
-        name = os.environ.get(ENV_VAR) or PLATFORM_DEFAULTS.get(jax.default_backend(), "xla")
+        name = os.environ.get(ENV_VAR) or AUTO
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {name!r}")
     return name

@@ -25,7 +25,7 @@ SELECTIONS = ("global", "column")
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
 ROUNDINGS = ("nearest", "stochastic")
 STOCHASTIC_ROUNDING_DTYPES = ("int8", "int4")
-BACKENDS = ("cpu", "xla", "pallas", "reference")
+BACKENDS = ("auto", "cpu", "xla", "pallas", "reference")
 # What a resumed run may change: where it stops, where its data and logs are, how it computes
 # dW (all backends agree to float rounding). --epochs also stretches the learning-rate schedule.
 RESUME_OVERRIDES = ("steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
