@@ -12,7 +12,8 @@ from bsr_jax.pooling import Pooling
 from bsr_jax import presets, quantize, schedules, sensitivity, sharding
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
 from bsr_jax.report import ResidualReport, residual_report
-from bsr_jax.memory import CompiledMemory, ResidualBytes, compiled_memory, program_order_peak, remat_policy, residual_bytes
+from bsr_jax.compiled import CompiledStep, compiled_memory
+from bsr_jax.memory import CompiledMemory, ResidualBytes, program_order_peak, remat_policy, residual_bytes
 
 __all__ = [
     "compress_model",
@@ -33,6 +34,7 @@ __all__ = [
     "Pruning",
     "BlockSparse",
     "CompiledMemory",
+    "CompiledStep",
     "Dense",
     "ResidualBytes",
     "bsr_linear",

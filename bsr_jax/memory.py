@@ -9,9 +9,9 @@ once, however many times the closure refers to it, and is classified as
 * ``inputs``: an array passed in as another argument (e.g. the image batch);
 * ``activations``: anything computed: the figure block-sparse residuals shrink.
 
-``compiled_memory`` reads XLA's ``memory_analysis()`` of a jitted function. It depends on the
-backend's scheduler: on CPU it need not follow residual savings (see docs/memory.md), so treat it as
-a secondary, explained figure.
+``compiled_memory`` (``bsr_jax.compiled``) compiles a step for a GPU or TPU target without the
+device and reads XLA's memory plan: the figure an accelerator must hold. On the host's CPU backend
+it need not follow residual savings (see docs/memory.md).
 
 ``program_order_peak`` walks the function's jaxpr in program order and sums the bytes of live
 values, each freed after its last use: a backend-independent peak estimate.
@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 
+from bsr_jax.compiled import compiled_memory  # noqa: F401  (bsr_jax.memory.compiled_memory)
 from bsr_jax.format import RESIDUAL_NAME
 
 MIB = 2**20
@@ -137,15 +138,6 @@ class CompiledMemory:
             outputs=int(stats.output_size_in_bytes),
             aliased=int(stats.alias_size_in_bytes),
         )
-
-
-def compiled_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CompiledMemory:
-    """Compile ``fn`` (jitted here if it is not already) for ``args`` and read its memory analysis.
-
-    ``args`` may be arrays or ``jax.ShapeDtypeStruct``. Nothing is executed.
-    """
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return CompiledMemory.of(jitted.lower(*args, **kwargs).compile())
 
 
 def _aval_bytes(var) -> int:

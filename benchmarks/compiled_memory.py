@@ -1,0 +1,181 @@
+"""Compiled peak memory of a full training step on H100 and TPU v5p, compiled deviceless.
+
+Each row is one model and one setting: the whole step (loss, grad, optax adamw; params and optimizer
+state donated) compiled by XLA's GPU or TPU compiler on this machine (``bsr_jax.compiled_memory``),
+with its peak, its ratio to the dense step on the same target, FLOPs and (TPU) modelled step time,
+and the five largest modules live at the peak. Results are appended to the JSON as they come, and
+rows already there are skipped, so an interrupted run resumes.
+
+    python -m benchmarks.compiled_memory --models resmlp-s12 vit-b16 --targets h100 tpu-v5p
+    python -m benchmarks.compiled_memory --table-only       # print the table of the JSON
+
+Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``int4`` (every
+parameter-gradient residual in int4, the recommended setting); ``lean`` (compress_model with
+``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
+(per block, ``dots_with_no_batch_dims_saveable``); ``remat-int4`` (int4 inside blocks remat'd with
+``bsr_jax.remat_policy()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import bsr_jax  # noqa: E402
+from bsr_jax import Pruning, Rule  # noqa: E402
+from benchmarks.run_info import footer, run_metadata  # noqa: E402
+from tests import third_party_models as tpm  # noqa: E402
+from train import models as train_models  # noqa: E402
+
+MIB = 2**20
+SETTINGS = ("dense", "topk", "int4", "lean", "remat", "remat-dots", "remat-int4")
+TOPK = Pruning(0.7, block=16)
+INT4 = Pruning(0.0, block=16, storage_dtype="int4")
+REMAT_POLICIES = {"remat": None, "remat-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _resmlp(setting: str):
+    pruning = {"topk": TOPK, "int4": INT4, "remat-int4": INT4}.get(setting)
+    if setting == "lean":
+        return None  # ResMLP's own layers: nothing for lean neighbours to change
+    remat = setting.startswith("remat")
+    policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
+    affine, layerscale = train_models.scale_shift_defs(INT4 if pruning is INT4 else None)
+    model = train_models.ResMLP(
+        num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
+        head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, remat=remat, remat_policy=policy,
+        **train_models.PRESETS["s12"],
+    )
+    return model, (128, 32, 32, 3), 10, contextlib.nullcontext()
+
+
+def _third_party(name: str, setting: str):
+    if name == "vit-b16":
+        c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=64, image=224, patch=16, classes=1000)
+        model, shape, block = tpm.vit(c), (c.batch, 224, 224, 3), "Encoder1DBlock"
+    else:  # lm1b-style LM, 12 x 768, T=2048
+        c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=8, length=2048, vocab=32000)
+        model, shape, block = tpm.lm(c), (c.batch, c.length), "EncoderDecoder1DBlock"
+    rules = {"topk": [Rule("*", TOPK)], "int4": [Rule("*", INT4)], "remat-int4": [Rule("*", INT4)], "lean": [Rule("*", None)]}
+    if setting in rules:
+        model = bsr_jax.compress_model(model, rules[setting])
+    context = contextlib.nullcontext()
+    if setting.startswith("remat"):
+        policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
+        context = _remat_class(block, policy)
+    return model, shape, c.vocab if name == "lm-12x768" else c.classes, context
+
+
+@contextlib.contextmanager
+def _remat_class(attr: str, policy):
+    # The stand-ins call their block class by its module-level name, as upstream code does.
+    original = getattr(tpm, attr)
+    remat = nn.remat(original, policy=policy)
+    remat.__name__ = original.__name__
+    setattr(tpm, attr, remat)
+    try:
+        yield
+    finally:
+        setattr(tpm, attr, original)
+
+
+MODELS = {"resmlp-s12": _resmlp, "vit-b16": functools.partial(_third_party, "vit-b16"), "lm-12x768": functools.partial(_third_party, "lm-12x768")}
+
+
+def step_args(model, shape, classes):
+    """The adamw training step of ``model`` and its abstract arguments (params, opt state, x, y)."""
+    tokens = len(shape) == 2
+    x = jax.ShapeDtypeStruct(shape, jnp.int32 if tokens else jnp.float32)
+    y = jax.ShapeDtypeStruct(shape if tokens else shape[:1], jnp.int32)
+    init_x = jnp.zeros((1,) + shape[1:], x.dtype)
+    params = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "pruning": jax.random.key(1)}, init_x))
+    tx = optax.adamw(1e-3)
+    opt = jax.eval_shape(tx.init, params)
+
+    def step(params, opt, x, y):
+        def loss(p):
+            logits = model.apply(p, x, rngs={"pruning": jax.random.key(2)})
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    return step, (params, opt, x, y)
+
+
+def measure(name: str, setting: str, target: str) -> dict | None:
+    built = MODELS[name](setting)
+    if built is None:
+        return None
+    model, shape, classes, context = built
+    with context:
+        step, args = step_args(model, shape, classes)
+        r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True)
+    # Summed over the repeated blocks, so the table shows what each block keeps in all.
+    live: dict[str, float] = {}
+    for module, nbytes in r.by_module(depth=2).items():
+        key = re.sub(r"(?<=[a-z_])\d+(?=/)", "*", module)
+        live[key] = live.get(key, 0.0) + nbytes / MIB
+    top = sorted(live.items(), key=lambda kv: -kv[1])[:5]
+    return dict(model=name, setting=setting, target=target, peak_mib=r.peak / MIB, temp_mib=r.temp / MIB,
+                flops=r.flops, optimal_seconds=r.optimal_seconds, live_at_peak_mib=dict(top))
+
+
+def table(rows: list[dict]) -> str:
+    dense = {(r["model"], r["target"]): r for r in rows if r["setting"] == "dense"}
+    lines = ["| model | target | setting | peak MiB | vs dense | FLOPs vs dense | TPU modelled time vs dense | largest live at peak (MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d = dense.get((r["model"], r["target"]))
+        ratio = lambda k: f"{r[k] / d[k]:.2f}" if d and r.get(k) and d.get(k) else "-"  # noqa: E731
+        live = ", ".join(f"{k} {v:.0f}" for k, v in list(r["live_at_peak_mib"].items())[:3])
+        lines.append(f"| {r['model']} | {r['target']} | {r['setting']} | {r['peak_mib']:.0f} | {ratio('peak_mib')} | "
+                     f"{ratio('flops')} | {ratio('optimal_seconds')} | {live} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["resmlp-s12", "vit-b16", "lm-12x768"])
+    parser.add_argument("--targets", nargs="+", choices=("h100", "tpu-v5p"), default=["h100", "tpu-v5p"])
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
+    parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")
+    parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
+    args = parser.parse_args(argv)
+    saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
+    if not args.table_only:
+        meta = run_metadata()
+        done = {(r["model"], r["setting"], r["target"]) for r in saved["runs"]}
+        for name in args.models:
+            for target in args.targets:
+                for setting in args.settings:
+                    if (name, setting, target) in done:
+                        continue
+                    print(f"{name} {target} {setting} ...", file=sys.stderr, flush=True)
+                    row = measure(name, setting, target)
+                    if row is None:
+                        continue
+                    row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
+                    saved["runs"].append(row)
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    with open(args.out, "w") as f:
+                        json.dump(saved, f, indent=1)
+        print(footer(meta))
+    print(table(saved["runs"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""What a compiled step needs on a GPU or TPU, measured on any machine: deviceless compilation.
+
+XLA's GPU and TPU compilers run on the host without an accelerator. Compiled for a topology
+description, a jitted step gets the buffer plan the accelerator would run: its peak is what a
+device must hold, after XLA's fusion, rematerialisation and scheduling (which a jaxpr's residuals
+do not see). ``compiled_memory(step, *args, target="h100")`` returns it with the FLOPs, the TPU's
+modelled step time and, with ``breakdown=True``, the buffers live at the peak by the op that
+produced them (module paths come from the ops' names). See docs/memory.md.
+
+Targets (``TARGETS``) need the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
+libtpu at jax's version; no CUDA toolkit, driver or TPU needed). One process at a time can hold
+libtpu. Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
+workspaces beyond XLA's own scratch, and anything outside the compiled step (input pipeline, host
+copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# The H100 SXM device description (the form of XLA's xla/tools/hlo_opt/gpu_specs).
+H100_CONFIG = os.path.join(os.path.dirname(__file__), "h100_sxm.txtpb")
+# XLA:GPU tunes GEMM algorithms on a device; without one, use its defaults and no Triton GEMMs.
+_GPU_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+TARGETS = ("host", "h100", "tpu-v5p")
+
+
+@functools.cache
+def target_devices(target: str) -> tuple[Any, ...]:
+    """Devices of a deviceless ``target`` topology (``"h100"``: 8 GPUs of one host; ``"tpu-v5p"``:
+    a 2x2x1 slice), or the host's own for ``"host"``."""
+    if target == "host":
+        return tuple(jax.devices())
+    from jax.experimental import topologies
+
+    try:
+        if target == "h100":
+            with open(H100_CONFIG) as f:
+                config = f.read()
+            topo = topologies.get_topology_desc(platform="cuda", topology="1x1x8", target_config=config)
+        elif target == "tpu-v5p":
+            topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+        else:
+            raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    except (RuntimeError, ImportError) as e:
+        if isinstance(e, ValueError):
+            raise
+        raise RuntimeError(
+            f"cannot compile for {target} on this machine ({e}); install the plugins with "
+            '`pip install "bsr-jax[aot]"` (jax\'s CUDA plugin and libtpu, at jax\'s own version)'
+        ) from e
+    return tuple(topo.devices)
+
+
+def target_mesh(target: str, devices: int = 1, axis_names: tuple[str, ...] = ("data",)) -> Mesh:
+    """A mesh of ``devices`` devices of ``target``, as a 1-D mesh (or reshaped to ``axis_names``'
+    length when it is 2: ``(devices // 2, 2)``)."""
+    found = target_devices(target)
+    if not 1 <= devices <= len(found):
+        raise ValueError(f"devices must be in [1, {len(found)}] for {target}, got {devices}")
+    grid = np.array(found[:devices])
+    if len(axis_names) == 2:
+        grid = grid.reshape(devices // 2, 2)
+    return Mesh(grid, axis_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+    """Bytes live at the peak that one op produced (``op``: its name, module path included)."""
+
+    op: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """A compiled function's memory plan and cost, in bytes, FLOPs and seconds.
+
+    ``peak`` is XLA's own peak of live bytes (arguments, outputs and temporaries as scheduled);
+    ``flops`` is None where the compiler reports none (XLA:GPU); ``optimal_seconds`` is XLA:TPU's
+    modelled step time (None elsewhere); ``live_at_peak`` lists the buffers live at the peak, largest
+    first (empty unless asked for).
+    """
+
+    target: str
+    peak: int
+    temp: int
+    arguments: int
+    outputs: int
+    aliased: int
+    flops: float | None
+    optimal_seconds: float | None
+    live_at_peak: tuple[LiveBuffer, ...] = ()
+
+    def by_module(self, depth: int = 2) -> dict[str, int]:
+        """Live-at-peak bytes summed by the first ``depth`` components of each op's module path
+        (block indices kept), e.g. ``{"block3/fc1": ...}``; parameters and optimizer state under
+        their argument names."""
+        totals: dict[str, int] = {}
+        for buffer in self.live_at_peak:
+            totals[_module_path(buffer.op, depth)] = totals.get(_module_path(buffer.op, depth), 0) + buffer.bytes
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _module_path(op: str, depth: int) -> str:
+    parts = [p for p in op.split("/") if p and not re.match(r"^(jit|jvp|transpose|vmap|checkpoint|remat)\(", p)]
+    parts = [re.sub(r"\{\d+\}$", "", p) for p in parts]
+    return "/".join(parts[:depth]) or op
+
+
+def _placed(args: Any, mesh: Mesh) -> Any:
+    # Arrays and shape structs without a sharding are replicated on the target's mesh; structs that
+    # carry a sharding (e.g. from target_mesh) keep it.
+    def place(a):
+        if isinstance(a, jax.ShapeDtypeStruct) and isinstance(a.sharding, NamedSharding):
+            return a
+        return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    return jax.tree.map(place, args)
+
+
+_LIVE = re.compile(r"── (.+?) \([\d.]+%, total: [\d\s\u202f\xa0]+ bytes, current: ([\d\s\u202f\xa0]+) bytes")
+
+
+def _live_at_peak(dump_dir: str) -> tuple[LiveBuffer, ...]:
+    """The 'Stack trace breakdown for peak usage' of XLA's live-range dump of the largest module."""
+    dumps = glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt"))
+    if not dumps:
+        raise RuntimeError(f"XLA wrote no live-range dump in {dump_dir}: no breakdown for this target")
+    text = open(max(dumps, key=os.path.getsize)).read()
+    section = text[text.index("Stack trace breakdown") :] if "Stack trace breakdown" in text else ""
+    found = [LiveBuffer(m.group(1).removeprefix("jit(").split(")/", 1)[-1], int(re.sub(r"\D", "", m.group(2))))
+             for m in _LIVE.finditer(section)]
+    return tuple(sorted((b for b in found if b.bytes), key=lambda b: -b.bytes))
+
+
+def compiled_memory(
+    fn: Callable[..., Any],
+    *args: Any,
+    target: str = "host",
+    devices: int = 1,
+    donate_argnums: int | tuple[int, ...] = (),
+    breakdown: bool = False,
+) -> CompiledStep:
+    """Compile ``fn(*args)`` for ``target`` (nothing runs) and read XLA's memory plan and cost.
+
+    Args:
+      fn: a function or a ``jax.jit``-ed one (then ``donate_argnums`` is its own).
+      *args: arrays or ``jax.ShapeDtypeStruct``; placed replicated on ``devices`` devices of the
+        target unless they carry a ``NamedSharding`` already (build one on ``target_mesh``).
+      target: ``"host"`` (this machine's backend), ``"h100"`` (XLA:GPU for an H100 SXM) or
+        ``"tpu-v5p"`` (XLA:TPU).
+      devices: devices of the target to place replicated arguments on.
+      donate_argnums: arguments whose buffers the step may reuse (params and optimizer state of a
+        training step), as ``jax.jit``'s.
+      breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
+        directory).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
+    if target != "host":
+        args = _placed(args, target_mesh(target, devices))
+    options: dict[str, Any] = dict(_GPU_OPTIONS) if target == "h100" else {}
+    with tempfile.TemporaryDirectory() as dump_dir:
+        if breakdown:
+            options["xla_dump_to"] = dump_dir
+        compiled = jitted.lower(*args).compile(options or None)
+        live = _live_at_peak(dump_dir) if breakdown else ()
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"the {target} compiler reports no memory analysis")
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    temp, arguments, outputs, aliased = (int(getattr(stats, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output", "alias"))
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0)) or temp + arguments + outputs - aliased
+    return CompiledStep(
+        target=target,
+        peak=peak,
+        temp=temp,
+        arguments=arguments,
+        outputs=outputs,
+        aliased=aliased,
+        flops=cost.get("flops"),
+        optimal_seconds=cost.get("optimal_seconds"),
+        live_at_peak=live,
+    )
