@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 from checkpoint_scores import checkpoint_scores
+from cli_stderr import ours
 
 from train import config as config_lib
 from train import plot
@@ -128,8 +129,8 @@ def test_bad_flag_values_exit_with_one_line_naming_the_flag(capsys):
     for flags, message in (
         (["--sparsity", "1.5"], "train.cifar: argument --sparsity: sparsity must be in [0, 1), got 1.5 (see --help)"),
         (["--block", "0"], "train.cifar: argument --block: block must be >= 1, got 0 (see --help)"),
-        (["--backend", "gpu"], "train.cifar: argument --backend: invalid choice: 'gpu' (choose from 'cpu', 'xla', "
-                               "'pallas', 'reference') (see --help)"),
+        (["--backend", "gpu"], "train.cifar: argument --backend: invalid choice: 'gpu' (choose from 'auto', 'cpu', "
+                               "'xla', 'pallas', 'reference') (see --help)"),
     ):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, flags)
@@ -174,7 +175,7 @@ def test_download_failure_is_one_line_and_leaves_no_checkpoints(tmp_path):
         mirror = f"http://127.0.0.1:{s.getsockname()[1]}/"  # closed once the socket is: connection refused
     done = run_cli("train.cifar", "--sparsity", "0.7", "--workdir", str(tmp_path / "run"), home=tmp_path, BSR_JAX_CIFAR_MIRROR=mirror)
     assert done.returncode == 2, done.stderr
-    lines = done.stderr.splitlines()
+    lines = ours(done.stderr)
     assert len(lines) == 2, done.stderr
     assert lines[0].startswith(f"train.cifar: could not download CIFAR-10 from {mirror}cifar-10-python.tar.gz: ")
     assert "--data-dir" in lines[1] and "image folder train/<class>/*.jpg" in lines[1]
@@ -199,7 +200,7 @@ def smoke_run(cifar_image_folder, tmp_path_factory):
 def test_smoke_run_writes_metrics_config_checkpoint_and_a_summary(smoke_run):
     done, workdir = smoke_run
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stderr == ""  # progress bars are off without a terminal
+    assert ours(done.stderr) == [], done.stderr  # progress bars are off without a terminal
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]
     assert kinds == ["memory", "train", "train", "train", "eval"]
@@ -240,10 +241,10 @@ def test_resume_keeps_settings_refuses_changes_and_knows_when_it_is_done(smoke_r
     shutil.copytree(finished, workdir)
     before = _snapshot(workdir)
     changed = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--sparsity", "0.5", home=cifar_image_folder)
-    assert changed.returncode == 2 and len(changed.stderr.splitlines()) == 1, changed.stderr
+    assert changed.returncode == 2 and len(ours(changed.stderr)) == 1, changed.stderr
     assert "--sparsity 0.5 (the run has 0.7)" in changed.stderr
     done = run_cli("train.cifar", "--workdir", str(workdir), "--resume", home=cifar_image_folder)
-    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.returncode == 0 and ours(done.stderr) == [], done.stderr
     assert done.stdout == f"train.cifar: the run in {workdir} already finished at step 3; nothing to do (raise --epochs or --steps to train further)\n"
     assert _snapshot(workdir) == before  # neither touched anything
     # Only --resume and --steps: the run's sparsity 0.7 continues, not the default 0.
@@ -272,7 +273,7 @@ def test_sigint_stops_within_a_step_with_a_checkpoint(cifar_image_folder, tmp_pa
     stdout, stderr = process.communicate(timeout=120)
     elapsed = time.perf_counter() - sent
     assert process.returncode == 128 + signal.SIGINT, stdout + stderr
-    assert stderr == ""
+    assert ours(stderr) == [], stderr
     assert "SIGINT: stopping after the step in flight, then saving a checkpoint" in stdout
     stopped = int(stdout.split("stopped by SIGINT at step ")[1].split(";")[0])
     assert os.listdir(workdir / "checkpoints") == [str(stopped)]

@@ -4,12 +4,12 @@ line gives the cause and names the flag (or file) and the value to change; no tr
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from cli_stderr import ours
 from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,12 +20,6 @@ def run_cli(module: str, *args: str, home) -> subprocess.CompletedProcess:
     env.pop("BSR_JAX_CACHE", None)
     return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
-
-
-def ours(stderr: str) -> list[str]:
-    """stderr without the log lines a CUDA build of jaxlib writes at import on a machine without a
-    GPU ("Could not find cuda drivers"), which JAX_PLATFORMS=cpu does not silence."""
-    return [line for line in stderr.splitlines() if not re.match(r"WARNING: All log messages before absl|[IWE]\d{4} ", line)]
 
 
 def refused(done: subprocess.CompletedProcess, lines: int = 1) -> str:
