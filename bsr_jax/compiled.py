@@ -50,16 +50,15 @@ def target_devices(target: str) -> tuple[Any, ...]:
                 config = f.read()
             topo = topologies.get_topology_desc(platform="cuda", topology="1x1x8", target_config=config)
         elif target == "tpu-v5p":
+            # Compiling needs no TPU, so several processes (pytest workers) may load libtpu at once.
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
         else:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     except (RuntimeError, ImportError) as e:
-        if isinstance(e, ValueError):
-            raise
-        raise RuntimeError(
-            f"cannot compile for {target} on this machine ({e}); install the plugins with "
-            '`pip install "bsr-jax[aot]"` (jax\'s CUDA plugin and libtpu, at jax\'s own version)'
-        ) from e
+        hint = ("another process holds libtpu (one at a time)" if "lockfile" in str(e) else
+                'install the plugins with `pip install "bsr-jax[aot]"` (jax\'s CUDA plugin and libtpu, at jax\'s version)')
+        raise RuntimeError(f"cannot compile for {target} on this machine: {hint} ({e})") from e
     return tuple(topo.devices)
 
 
@@ -89,7 +88,7 @@ class CompiledStep:
 
     ``peak`` is XLA's own peak of live bytes (arguments, outputs and temporaries as scheduled);
     ``flops`` is None where the compiler reports none (XLA:GPU); ``optimal_seconds`` is XLA:TPU's
-    modelled step time (None elsewhere); ``live_at_peak`` lists the buffers live at the peak, largest
+    modelled step time (None elsewhere, and where its cost model cannot time the program); ``live_at_peak`` lists the buffers live at the peak, largest
     first (empty unless asked for).
     """
 
@@ -193,6 +192,7 @@ def compiled_memory(
         outputs=outputs,
         aliased=aliased,
         flops=cost.get("flops"),
-        optimal_seconds=cost.get("optimal_seconds"),
+        # XLA:TPU reports a negative time for programs its cost model cannot time.
+        optimal_seconds=seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None,
         live_at_peak=live,
     )
