@@ -7,7 +7,8 @@ do not see). ``compiled_memory(step, *args, target="h100")`` returns it with the
 modelled step time and, with ``breakdown=True``, the buffers live at the peak by the op that
 produced them (module paths come from the ops' names). See docs/memory.md.
 
-Targets (``TARGETS``) need the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
+Targets (``TARGETS``) need ``JAX_PLATFORMS=cpu`` (or another list without cuda) set before jax
+starts on a machine without a GPU, and the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
 libtpu at jax's version; no CUDA toolkit, driver or TPU needed). One process at a time can hold
 libtpu. Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
 workspaces beyond XLA's own scratch, and anything outside the compiled step (input pipeline, host
@@ -56,8 +57,14 @@ def target_devices(target: str) -> tuple[Any, ...]:
         else:
             raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     except (RuntimeError, ImportError) as e:
-        hint = ("another process holds libtpu (one at a time)" if "lockfile" in str(e) else
-                'install the plugins with `pip install "bsr-jax[aot]"` (jax\'s CUDA plugin and libtpu, at jax\'s version)')
+        if "lockfile" in str(e):
+            hint = "another process holds libtpu (one at a time)"
+        elif target == "h100" and "cuda" not in jax.devices()[0].platform and not os.environ.get("JAX_PLATFORMS"):
+            # Without a GPU, jax's CUDA plugin fails its driver check and registers only when the
+            # platforms to start are named (and exclude cuda).
+            hint = "set JAX_PLATFORMS=cpu before jax starts (without a GPU the CUDA plugin registers only then)"
+        else:
+            hint = 'install the plugins with `pip install "bsr-jax[aot]"` (jax\'s CUDA plugin and libtpu, at jax\'s version)'
         raise RuntimeError(f"cannot compile for {target} on this machine: {hint} ({e})") from e
     return tuple(topo.devices)
 
