@@ -28,13 +28,13 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
 from bsr_jax import Pruning, Rule  # noqa: E402
+from benchmarks.models import remat_blocks  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from tests import third_party_models as tpm  # noqa: E402
 from train import models as train_models  # noqa: E402
@@ -64,31 +64,18 @@ def _resmlp(setting: str):
 def _third_party(name: str, setting: str):
     if name == "vit-b16":
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=64, image=224, patch=16, classes=1000)
-        model, shape, block = tpm.vit(c), (c.batch, 224, 224, 3), "Encoder1DBlock"
+        model, shape, stand_in = tpm.vit(c), (c.batch, 224, 224, 3), "vit"
     else:  # lm1b-style LM, 12 x 768, T=2048
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=8, length=2048, vocab=32000)
-        model, shape, block = tpm.lm(c), (c.batch, c.length), "EncoderDecoder1DBlock"
+        model, shape, stand_in = tpm.lm(c), (c.batch, c.length), "lm"
     rules = {"topk": [Rule("*", TOPK)], "int4": [Rule("*", INT4)], "remat-int4": [Rule("*", INT4)], "lean": [Rule("*", None)]}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting])
     context = contextlib.nullcontext()
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
-        context = _remat_class(block, policy)
+        context = remat_blocks(stand_in, policy)
     return model, shape, c.vocab if name == "lm-12x768" else c.classes, context
-
-
-@contextlib.contextmanager
-def _remat_class(attr: str, policy):
-    # The stand-ins call their block class by its module-level name, as upstream code does.
-    original = getattr(tpm, attr)
-    remat = nn.remat(original, policy=policy)
-    remat.__name__ = original.__name__
-    setattr(tpm, attr, remat)
-    try:
-        yield
-    finally:
-        setattr(tpm, attr, original)
 
 
 MODELS = {"resmlp-s12": _resmlp, "vit-b16": functools.partial(_third_party, "vit-b16"), "lm-12x768": functools.partial(_third_party, "lm-12x768")}

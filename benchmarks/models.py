@@ -54,12 +54,13 @@ def model_case(name: str, c: tpm.Config):
 
 
 @contextlib.contextmanager
-def remat_blocks(name: str) -> Iterator[None]:
+def remat_blocks(name: str, policy: Callable[..., bool] | None = None) -> Iterator[None]:
     # The stand-ins call their block class by its module-level name, as upstream code does, so the
-    # baseline a user would write (nn.remat of the block) is swapped in for the duration.
+    # baseline a user would write (nn.remat of the block, with an optional policy) is swapped in
+    # for the duration.
     attr = BLOCK_CLASSES[name]
     original = getattr(tpm, attr)
-    remat = nn.remat(original)
+    remat = nn.remat(original, policy=policy)
     remat.__name__ = original.__name__  # auto-named submodules (MixerBlock_0) keep their param paths
     setattr(tpm, attr, remat)
     try:

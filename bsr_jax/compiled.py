@@ -9,8 +9,7 @@ produced them (module paths come from the ops' names). See docs/memory.md.
 
 Targets (``TARGETS``) need ``JAX_PLATFORMS=cpu`` (or another list without cuda) set before jax
 starts on a machine without a GPU, and the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
-libtpu at jax's version; no CUDA toolkit, driver or TPU needed). One process at a time can hold
-libtpu. Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
+libtpu at jax's version; no CUDA toolkit, driver or TPU needed). Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
 workspaces beyond XLA's own scratch, and anything outside the compiled step (input pipeline, host
 copies).
 """
@@ -82,6 +81,34 @@ def target_mesh(target: str, devices: int = 1, axis_names: tuple[str, ...] = ("d
 
 
 @dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's ``memory_analysis()`` of a compiled function, in bytes."""
+
+    temp: int
+    arguments: int
+    outputs: int
+    aliased: int
+
+    @property
+    def peak(self) -> int:
+        """Upper bound of live bytes: temporaries plus arguments plus outputs not aliased."""
+        return self.temp + self.arguments + self.outputs - self.aliased
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> CompiledMemory:
+        """The memory analysis of an already compiled function."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError("the compiler reports no memory analysis for this program")
+        return cls(
+            temp=int(stats.temp_size_in_bytes),
+            arguments=int(stats.argument_size_in_bytes),
+            outputs=int(stats.output_size_in_bytes),
+            aliased=int(stats.alias_size_in_bytes),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class LiveBuffer:
     """Bytes live at the peak that one op produced (``op``: its name, module path included)."""
 
@@ -115,7 +142,8 @@ class CompiledStep:
         their argument names."""
         totals: dict[str, int] = {}
         for buffer in self.live_at_peak:
-            totals[_module_path(buffer.op, depth)] = totals.get(_module_path(buffer.op, depth), 0) + buffer.bytes
+            path = _module_path(buffer.op, depth)
+            totals[path] = totals.get(path, 0) + buffer.bytes
         return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
@@ -184,20 +212,14 @@ def compiled_memory(
             options["xla_dump_to"] = dump_dir
         compiled = jitted.lower(*args).compile(options or None)
         live = _live_at_peak(dump_dir) if breakdown else ()
-    stats = compiled.memory_analysis()
-    if stats is None:
-        raise RuntimeError(f"the {target} compiler reports no memory analysis")
+    memory = CompiledMemory.of(compiled)
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
-    temp, arguments, outputs, aliased = (int(getattr(stats, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output", "alias"))
-    peak = int(getattr(stats, "peak_memory_in_bytes", 0)) or temp + arguments + outputs - aliased
     return CompiledStep(
         target=target,
-        peak=peak,
-        temp=temp,
-        arguments=arguments,
-        outputs=outputs,
-        aliased=aliased,
+        # XLA's own peak as scheduled where it reports one; else the bound CompiledMemory gives.
+        peak=int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)) or memory.peak,
+        **{f.name: getattr(memory, f.name) for f in dataclasses.fields(CompiledMemory)},
         flops=cost.get("flops"),
         # XLA:TPU reports a negative time for programs its cost model cannot time.
         optimal_seconds=seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None,

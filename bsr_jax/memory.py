@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 
-from bsr_jax.compiled import compiled_memory  # noqa: F401  (bsr_jax.memory.compiled_memory)
+from bsr_jax.compiled import CompiledMemory, compiled_memory  # noqa: F401  (bsr_jax.memory.*)
 from bsr_jax.format import RESIDUAL_NAME
 
 MIB = 2**20
@@ -110,34 +110,6 @@ def residual_bytes(fn: Callable[..., Any], params: Any, *args: Any) -> ResidualB
     jax.eval_shape(traced, params, *args)
     totals = {k: sum(r.nbytes for r in found if r.kind == k) for k in ("params", "inputs", "activations")}
     return ResidualBytes(**totals, residuals=tuple(found))
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledMemory:
-    """XLA's ``memory_analysis()`` of a compiled function, in bytes."""
-
-    temp: int
-    arguments: int
-    outputs: int
-    aliased: int
-
-    @property
-    def peak(self) -> int:
-        """Upper bound of live bytes: temporaries plus arguments plus outputs not aliased."""
-        return self.temp + self.arguments + self.outputs - self.aliased
-
-    @classmethod
-    def of(cls, compiled: jax.stages.Compiled) -> CompiledMemory:
-        """The memory analysis of an already compiled function."""
-        stats = compiled.memory_analysis()
-        if stats is None:
-            raise RuntimeError(f"the {jax.default_backend()} backend reports no memory analysis")
-        return cls(
-            temp=int(stats.temp_size_in_bytes),
-            arguments=int(stats.argument_size_in_bytes),
-            outputs=int(stats.output_size_in_bytes),
-            aliased=int(stats.alias_size_in_bytes),
-        )
 
 
 def _aval_bytes(var) -> int:
