@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from bsr_jax import barriers, intercept
+from bsr_jax import barriers, intercept, lean_graph
 from bsr_jax import lean as lean_ops
 from bsr_jax import rules as rules_lib
 from bsr_jax import sharding
@@ -187,9 +187,13 @@ def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool) -> 
     base = type(model)
 
     def apply(self, variables, *args, **kwargs):
-        with compressing(rules, lean=lean):
+        def run(variables, *args, **kwargs):
             intercept.mark_parameters(variables.get("params", {}))
             return base.apply(self, variables, *args, **kwargs)
+
+        with compressing(rules, lean=lean):
+            # lean: hand-written norms, activations and attention keep less too (bsr_jax.lean_graph).
+            return lean_graph.lean_call(run, variables, *args, **kwargs) if lean else run(variables, *args, **kwargs)
 
     def init_with_output(self, rngs, *args, **kwargs):
         # Parameters are created by the original modules (compression only changes gradients); the

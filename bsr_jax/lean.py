@@ -53,6 +53,7 @@ from flax import nnx
 from flax.linen import activation as linen_activation
 from flax.linen import attention as linen_attention
 from flax.nnx.nn import activations as nnx_activations
+from jax.ad_checkpoint import checkpoint_name
 
 LINEN_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm)
 NNX_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm)
@@ -61,6 +62,7 @@ NNX_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm)
 NAMESPACES = (jax.nn, nn, linen_activation, linen_attention, nnx, nnx_activations)
 
 _dot_product_attention = linen_attention.dot_product_attention
+LEAN_NAME = "bsr_jax_lean"  # ``checkpoint_name`` of small values worth keeping (ReLU's packed mask)
 
 
 def _split_arrays(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
@@ -114,7 +116,8 @@ def _bitmask_relu(original: Callable[[jax.Array], jax.Array]) -> Callable[[jax.A
     @relu.defjvp
     def relu_jvp(primals, tangents):
         (x,), (t,) = primals, tangents
-        return original(x), jax.checkpoint(_masked_tangent)(_pack_mask(x > 0), t)
+        # Named so that bsr_jax.lean_graph's policy keeps the packed mask, not x to recompute it.
+        return original(x), jax.checkpoint(_masked_tangent)(checkpoint_name(_pack_mask(x > 0), LEAN_NAME), t)
 
     @functools.wraps(original)
     def lean(x):

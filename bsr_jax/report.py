@@ -177,6 +177,20 @@ def _through_views(var, producers: dict) -> tuple[Any, bool]:
     return var, compressed
 
 
+def _reader_stacks(eqn, index: int, outer: str) -> set[str]:
+    """Name stacks of the equations that read ``eqn``'s input ``index``: the equation's own, or, for
+    a call whose inner equations have their own (the backward of a ``jax.checkpoint``, e.g.
+    ``bsr_jax.lean_graph``'s per-module ones), those of the inner equations reading it."""
+    stack = "/".join(filter(None, (outer, str(eqn.source_info.name_stack))))
+    inner = eqn.params.get("jaxpr")
+    inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr (pjit) or a Jaxpr (remat)
+    if not isinstance(inner, jex.core.Jaxpr) or len(inner.invars) != len(eqn.invars):
+        return {stack}
+    var = inner.invars[index]
+    found = {s for e in inner.eqns for i, v in enumerate(e.invars) if v is var for s in _reader_stacks(e, i, stack)}
+    return found or {stack}
+
+
 def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> ResidualReport:
     """What ``jax.vjp(fn, params, *args)`` keeps for the backward pass, by module path and kind.
 
@@ -203,9 +217,9 @@ def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> Residual
     readers: dict[Any, set[str]] = {v: set() for v in kept}
     forward_of = dict(zip(backward.jaxpr.invars, fwd.outvars))
     for eqn in backward.jaxpr.eqns:
-        for v in eqn.invars:
+        for i, v in enumerate(eqn.invars):
             if isinstance(v, jex.core.Var) and isinstance(forward_of.get(v), jex.core.Var):
-                readers[forward_of[v]].add(module_path(eqn.source_info.name_stack, roots))
+                readers[forward_of[v]].update(module_path(stack, roots) for stack in _reader_stacks(eqn, i, ""))
 
     producers = {v: eqn for eqn in fwd.eqns for v in eqn.outvars}
     n_params = len(jax.tree.leaves(params))
