@@ -54,6 +54,7 @@ from bsr_jax.quantize import (  # noqa: F401
     check_storage_dtype,
     dequantize_blocks,
     quantize_blocks,
+    quantize_matrix,
 )
 
 Criterion = Literal["l2", "l1"]
@@ -369,13 +370,13 @@ def from_dense(
     block = tuple(max(1, min(b, n)) for b, n in zip(normalize_block(block), x.shape))
     grid = block_grid(x.shape, block)
     capacity = capacity_for(grid, sparsity, selection)
-    xp = pad_to_blocks(x, block)
     mb, kb = grid
     full = capacity == mb * kb
     if full:
-        values = xp.reshape(mb, block[0], kb, block[1]).transpose(2, 0, 1, 3).reshape(kb * mb, *block)
+        values, scales = quantize_matrix(x, block, storage_dtype, rounding_key)
         row_ids = col_ptr = None
     else:
+        xp = pad_to_blocks(x, block)
         mags = block_magnitudes(xp, block, criterion)  # (Kb, Mb)
         if key is None:
             row_ids, col_ids, col_ptr, _ = top_blocks(mags, capacity, selection, with_threshold=False)
@@ -393,7 +394,7 @@ def from_dense(
             values = (values.astype(jnp.float32) * rescale[:, None, None]).astype(x.dtype)
         row_ids = row_ids.astype(jnp.int16 if mb <= jnp.iinfo(jnp.int16).max + 1 else jnp.int32)
         col_ptr = col_ptr.astype(jnp.int32)
-    values, scales = quantize_blocks(values, storage_dtype, rounding_key)
+        values, scales = quantize_blocks(values, storage_dtype, rounding_key)
     return BlockSparse(
         values=values,
         block_rows=row_ids,

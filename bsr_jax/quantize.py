@@ -16,7 +16,12 @@ storage_dtype      stored values               scales     rounding
 Integer formats round to nearest by default; with a ``key`` they round stochastically
 (``floor(v / s + u)``, ``u ~ U[0, 1)``), which is unbiased: ``E[dequantize_blocks(quantize_blocks(v))] = v``.
 An all-zero block gets scale 1; a block holding NaN or inf gets a NaN scale, so the NaN still
-reaches the weight gradient, as it would in dense training.
+reaches the weight gradient, as it would in dense training. ``v / s`` and ``max|block| / limit`` are
+computed as ``v * (1 / s)`` and ``max|block| * (1 / limit)`` (what XLA compiles them to).
+
+Every block kept (``bsr_jax.from_dense`` at sparsity 0), int8 and int4 rounded to nearest run on
+the CPU as one C++ pass over x (``cpu_kernels.quantize_blocks``, chosen by the platform lowered
+for: ``quantize_matrix``); other platforms, and stochastic rounding, run the jax.numpy here.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+import cpu_kernels
 
 StorageDtype = Literal["bfloat16", "float8_e4m3fn", "int8", "int4"]
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
@@ -41,7 +48,9 @@ def check_storage_dtype(storage_dtype: str | None) -> None:
 def _block_scales(v: jax.Array, limit: float) -> jax.Array:
     amax = jnp.max(jnp.abs(v), axis=(1, 2))
     amax = jnp.where(jnp.isfinite(amax), amax, jnp.nan)
-    return jnp.where(amax > 0, amax / limit, jnp.where(amax == 0, 1.0, amax))
+    # Multiplications by reciprocals, as XLA compiles divisions by a constant or a broadcast scale:
+    # eager, jitted and cpu_kernels.quantize_blocks results then agree bitwise.
+    return jnp.where(amax > 0, amax * (1.0 / limit), jnp.where(amax == 0, 1.0, amax))
 
 
 def _pack_int4(q: jax.Array) -> jax.Array:
@@ -75,7 +84,7 @@ def quantize_blocks(
     limit = _LIMITS[storage_dtype]
     v = values.astype(jnp.float32)
     scales = _block_scales(v, limit)
-    scaled = v / scales[:, None, None]
+    scaled = v * (1.0 / scales)[:, None, None]
     if storage_dtype == "float8_e4m3fn":
         return scaled.astype(jnp.float8_e4m3fn), scales
     if key is None:
@@ -99,3 +108,30 @@ def dequantize_blocks(
     if scales is not None:
         values = values * scales[:, None, None]
     return values.astype(dtype)
+
+
+def quantize_matrix(
+    x: jax.Array, block: tuple[int, int], storage_dtype: StorageDtype | None, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """``quantize_blocks`` of every ``(bm, bk)`` block of ``x (M, K)`` (zero-padded to whole blocks), in
+    block-column-major order (block ``(i, j)`` at ``j * Mb + i``): ``from_dense``'s storage when every
+    block is kept. ``block`` must fit in x.
+
+    Lowered for a CPU, int8 and int4 rounded to nearest from float32 or bfloat16 run
+    ``cpu_kernels.quantize_blocks``: one pass over x, which XLA cannot fuse into x's producer (XLA:CPU
+    recomputed ResMLP's GELU in both the scale reduction and the int4 packing, whose loop then took
+    longer than the layer's matmul). Elsewhere, and for the other formats, the jax.numpy below."""
+    (m, k), (bm, bk) = x.shape, block
+    mb, kb = -(-m // bm), -(-k // bk)
+
+    def reference(x):
+        xp = jnp.pad(x, ((0, mb * bm - m), (0, kb * bk - k)))
+        return quantize_blocks(xp.reshape(mb, bm, kb, bk).transpose(2, 0, 1, 3).reshape(kb * mb, bm, bk), storage_dtype, key)
+
+    if key is not None or storage_dtype not in cpu_kernels.QUANTIZE_BITS or x.dtype not in (jnp.float32, jnp.bfloat16):
+        return reference(x)
+    kernel = lambda x: cpu_kernels.quantize_blocks(x, block, storage_dtype)  # noqa: E731
+    if jax.typeof(x).manual_axis_type.varying:
+        # Inside shard_map, as bsr_jax.backends.platform_dw: chosen by the host's platform.
+        return kernel(x) if jax.default_backend() == "cpu" else reference(x)
+    return jax.lax.platform_dependent(x, cpu=kernel, default=reference)

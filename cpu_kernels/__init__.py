@@ -8,6 +8,10 @@ shared between XLA's intra-op threads, kept blocks are visited in block-row orde
 registers per block (``tile_kernel.h``). Kept blocks stored as bf16, int8 or packed int4 (with
 per-block scales) are decoded inside the kernel, a block at a time.
 
+``quantize_blocks`` (``quantize_blocks.cc``) is the other direction, for storage with every block
+kept: x's blocks quantized to int8 or packed int4 with per-block scales in one pass over x, where
+XLA:CPU fuses x's producer into a reduction and a packing loop and recomputes it in each.
+
 The library is built by ``pip install`` (``setup.py``, a C++17 compiler and jaxlib's FFI headers)
 without ``-march``: the AVX-512, AVX2 and portable paths are compiled side by side and each call
 picks one (``resolve_isa``: ``BSR_JAX_CPU_ISA`` if set, else the widest this CPU supports). Like the
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 TARGET = "bsr_jax_cpu_bsr_t_matmul"
+QUANTIZE_TARGET = "bsr_jax_cpu_quantize_blocks"
 ISA_ENV = "BSR_JAX_CPU_ISA"
 ISAS = ("portable", "avx2", "avx512")  # the kernel's `isa` attribute is the index
 
@@ -40,6 +45,7 @@ def _library() -> ctypes.CDLL:
         )
     library = ctypes.cdll.LoadLibrary(spec.origin)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.BsrTMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(QUANTIZE_TARGET, jax.ffi.pycapsule(library.QuantizeBlocks), platform="cpu")
     return library
 
 
@@ -153,3 +159,38 @@ def _varying_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(
         jax.lax.pcast(a, tuple(sorted(axes - v)), to="varying") if axes - v else a for a, v in zip(arrays, varying)
     )
+
+
+# Bits of the stored integers, by storage dtype (bsr_jax.quantize's names).
+QUANTIZE_BITS = {"int8": 8, "int4": 4}
+
+
+def quantize_blocks(
+    x: jax.Array, block: tuple[int, int], storage_dtype: str, *, isa: str | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Every ``(bm, bk)`` block of ``x (M, K)`` (float32 or bfloat16; zero-padded to whole blocks)
+    rounded to nearest, as ``bsr_jax.quantize.quantize_blocks`` stores it, in block-column-major
+    order (block ``(i, j)`` at ``j * Mb + i``, the layout of ``bsr_jax.from_dense`` at sparsity 0).
+
+    Returns ``(stored, scales)``: ``(Mb * Kb, bm, bk)`` int8 or ``(Mb * Kb, ceil(bm * bk / 2))``
+    uint8 packed int4, and ``(Mb * Kb,)`` float32. Bitwise equal to the jitted reference
+    (``quantize_blocks.cc`` states the rule, NaN/inf blocks and underflowing scales included).
+    """
+    if storage_dtype not in QUANTIZE_BITS:
+        raise ValueError(f"storage_dtype must be one of {tuple(QUANTIZE_BITS)}, got {storage_dtype!r}")
+    if x.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"x must be (M, K) float32 or bfloat16, got {x.shape} {x.dtype}")
+    (m, k), (bm, bk) = x.shape, block
+    if not (1 <= bm <= m and 1 <= bk <= k):
+        raise ValueError(f"block {block} must be within x's shape {x.shape}")
+    blocks = -(-m // bm) * -(-k // bk)
+    bits = QUANTIZE_BITS[storage_dtype]
+    stored = (blocks, bm, bk) if bits == 8 else (blocks, -(-bm * bk // 2))
+    x_type = jax.typeof(x)
+    # Inside shard_map the results vary like x and live on its manual mesh.
+    like_x = (lambda shape, dtype: x_type.update(shape=shape, dtype=dtype)) if x_type.manual_axis_type.varying else jax.ShapeDtypeStruct
+    call = jax.ffi.ffi_call(
+        QUANTIZE_TARGET, (like_x(stored, jnp.int8 if bits == 8 else jnp.uint8), like_x((blocks,), jnp.float32)),
+        vmap_method="sequential",
+    )
+    return call(x, bm=int(bm), bk=int(bk), bits=bits, isa=ISAS.index(resolve_isa(isa)))

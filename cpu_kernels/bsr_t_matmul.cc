@@ -18,15 +18,13 @@
 //   runs on any x86-64.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "tile_kernel.h"
+#include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -86,24 +84,11 @@ Path PathFor(int64_t isa) {
   return {RunItemPortable, PortableBlocking::Tile};
 }
 
-// Work items go to whichever thread asks next. The calling thread works too and waits only for
-// items already taken, so the call finishes even when no pool thread is free; state that a late
-// helper may still touch lives in a shared_ptr.
-struct WorkQueue {
-  std::atomic<int64_t> next{0};
-  int64_t done = 0;
-  std::mutex mutex;
-  std::condition_variable all_done;
-};
-
-void Drain(const Problem& p, Path path, int64_t items, WorkQueue& queue) {
+// One thread's share of the work items, with its own buffers (see work_queue.h).
+void Drain(const Problem& p, Path path, const std::function<int64_t()>& next_item) {
   std::vector<float> values(p.panel * p.bm * p.bk), panel(p.panel * p.bm * path.tile), tile(p.kb * p.bk * path.tile);
   const Workspace w{values.data(), panel.data(), tile.data()};
-  for (int64_t t; (t = queue.next.fetch_add(1)) < items;) {
-    path.run(p, t, w);
-    std::lock_guard<std::mutex> lock(queue.mutex);
-    if (++queue.done == items) queue.all_done.notify_all();
-  }
+  for (int64_t t; (t = next_item()) >= 0;) path.run(p, t, w);
 }
 
 ffi::Error Invalid(const std::string& message) { return ffi::Error::InvalidArgument("bsr_t_matmul: " + message); }
@@ -188,13 +173,7 @@ ffi::Error BsrTMatmul(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::Buffer<f
   // block-columns are split too: aim for two items per thread. Each split re-reads the dy panels,
   // and the sums of each dW element keep their order, so results do not depend on the split.
   p.groups = tiles ? std::clamp<int64_t>((2 * threads + tiles - 1) / tiles, 1, std::max<int64_t>(p.kb, 1)) : 1;
-  const int64_t items = tiles * p.groups;
-  auto queue = std::make_shared<WorkQueue>();
-  const int64_t helpers = std::min(threads, items) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([p, path, items, queue] { Drain(p, path, items, *queue); });
-  Drain(p, path, items, *queue);
-  std::unique_lock<std::mutex> lock(queue->mutex);
-  queue->all_done.wait(lock, [&] { return queue->done == items; });
+  ShareOut(pool, tiles * p.groups, [p, path](const auto& next_item) { Drain(p, path, next_item); });
   return ffi::Error::Success();
 }
 
