@@ -11,8 +11,9 @@ way, by ``bsr_jax.compressed_conv`` on the kernel the module produced: forward b
 db exact, dW from the compressed input. bsr_jax layers inside the model (``Dense``, ``Conv``, ...)
 follow the same rules. Layers that read the same array with the same compression (q, k and v from
 one LayerNorm output) compress it once and keep one residual (linear layers; convolutions keep one
-each). With ``lean=True`` (the default) the neighbours keep less too (``bsr_jax.lean``: norms,
-activations, attention; all exact).
+each). With ``lean=True`` (the default) the neighbours keep less too, all exact: known norms,
+activations and attention by name (``bsr_jax.lean``), and hand-written ones by what they compute
+(``bsr_jax.lean_graph``: each module's own equations under ``jax.checkpoint``, cheap ops recomputed).
 
 Left dense and reported (``UserWarning`` naming the path and the reason, ``rules.report_dense``):
 modules with their own ``dot_general``/``dot_general_cls`` or ``conv_general_dilated(_cls)``,

@@ -30,6 +30,10 @@ gelu``), ``nnx.MultiHeadAttention`` (its attention runs as is), attention that s
 (``sow_weights=True`` asks for them to be kept). The replaced attributes are process-wide while any
 thread is inside the context; other threads then also get the lean (equally exact) functions.
 
+``compress_model`` (linen) also runs ``bsr_jax.lean_graph``, which recognises hand-written norms,
+activations and attention by what they compute; the functions here still matter under NNX and for
+the 1-bit ReLU mask (named ``LEAN_NAME`` so that its policy keeps the mask rather than x).
+
 Tracing is what matters: enter the context where the loss is traced (inside a jitted function, not
 around a call that hits jit's cache of a program traced without it). The lean ``relu`` defines a
 JVP, so forward-mode differentiation works too.
