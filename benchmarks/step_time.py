@@ -12,16 +12,22 @@ all alike.
 ``--pieces`` also times, per layer shape of the model, one int4 compression alone
 (``Pruning.compress``) against that layer's dense forward matmul: where the extra time goes.
 
+``--isas`` runs everything once per CPU kernel path, forced through ``$BSR_JAX_CPU_ISA`` (both
+kernels: dW and the int4 compression); dense never calls them.
+
     python -m benchmarks.step_time --presets tiny s12 --reps 11
+    python -m benchmarks.step_time --presets tiny --isas avx2 avx512
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 import jax.numpy as jnp
 
+import cpu_kernels
 from bsr_jax import Pruning
 from train import loop
 from train.config import CIFAR_DEFAULTS, parse
@@ -77,17 +83,28 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--reps", type=int, default=11, help="alternating rounds per preset (default: %(default)s)")
+    parser.add_argument("--isas", nargs="+", choices=cpu_kernels.ISAS,
+                        help="CPU kernel paths to run, each forced in turn (default: the one picked for this CPU)")
     parser.add_argument("--pieces", action="store_true", help="also time one int4 compression per layer shape vs its matmul")
     parser.add_argument("--json", default="benchmarks/results/step_time.json")
     args = parser.parse_args()
     meta = run_metadata()
     rows = []
-    print("| preset | setting | ms per value_and_grad | vs dense (median of rounds) |\n|---|---|---|---|")
-    for preset in args.presets:
-        steps = {label: grad_step(SETTINGS[label], preset, args.batch_size) for label in dict.fromkeys([BASELINE, *args.settings])}
-        for label, result in alternating_time_ratios(steps, args.reps, BASELINE).items():
-            rows.append(dict(preset=preset, setting=label, flags=SETTINGS[label], ms=result["seconds"] * 1e3, ratio=result["ratio"]))
-            print(f"| {preset} | {label} | {rows[-1]['ms']:.1f} | **{result['ratio']:.2f}** |", flush=True)
+    print("| kernel path | preset | setting | ms per value_and_grad | vs dense (median of rounds) |\n|---|---|---|---|---|")
+    for isa in args.isas or [None]:
+        if isa:
+            os.environ[cpu_kernels.ISA_ENV] = cpu_kernels.resolve_isa(isa)
+            jax.clear_caches()  # programs traced under the previous path must not be reused
+        path = cpu_kernels.resolve_isa()
+        for preset in args.presets:
+            labels = dict.fromkeys([BASELINE, *args.settings])
+            steps = {label: grad_step(SETTINGS[label], preset, args.batch_size) for label in labels}
+            for label, result in alternating_time_ratios(steps, args.reps, BASELINE).items():
+                rows.append(dict(path=path, preset=preset, setting=label, flags=SETTINGS[label], ms=result["seconds"] * 1e3,
+                                 ratio=result["ratio"]))  # fmt: skip
+                print(f"| {path} | {preset} | {label} | {rows[-1]['ms']:.1f} | **{result['ratio']:.2f}** |", flush=True)
+    if args.isas:
+        meta["cpu_kernel_isa"] += f" by default; forced per row: {' '.join(args.isas)}"
     pieces = []
     if args.pieces:
         from train.models import PRESETS
