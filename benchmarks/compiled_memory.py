@@ -13,7 +13,9 @@ Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``
 parameter-gradient residual in int4, the recommended setting); ``lean`` (compress_model with
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
 (per block, ``dots_with_no_batch_dims_saveable``); ``remat-int4`` (int4 inside blocks remat'd with
-``bsr_jax.remat_policy()``).
+``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
+values of a row, which XLA:TPU stores without padding); ``pool2`` (ResNet-50 only: every convolution keeps its input
+average-pooled 2x2, the conv paper's method).
 """
 
 from __future__ import annotations
@@ -30,29 +32,33 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import flax.linen as nn  # noqa: E402
 import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
-from bsr_jax import Pruning, Rule  # noqa: E402
+from bsr_jax import Pooling, Pruning, Rule  # noqa: E402
 from benchmarks.models import remat_blocks  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from tests import third_party_models as tpm  # noqa: E402
 from train import models as train_models  # noqa: E402
+from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
-SETTINGS = ("dense", "topk", "int4", "lean", "remat", "remat-dots", "remat-int4")
+SETTINGS = ("dense", "topk", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-int4")
 TOPK = Pruning(0.7, block=16)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
+# The same storage with one scale per 128 values of a row: lane-dense on TPU (docs/memory.md).
+INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
 REMAT_POLICIES = {"remat": None, "remat-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def _resmlp(setting: str):
-    pruning = {"topk": TOPK, "int4": INT4, "remat-int4": INT4}.get(setting)
-    if setting == "lean":
-        return None  # ResMLP's own layers: nothing for lean neighbours to change
+    pruning = {"topk": TOPK, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4}.get(setting)
+    if setting in ("lean", "pool2"):
+        return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
     remat = setting.startswith("remat")
     policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
-    affine, layerscale = train_models.scale_shift_defs(INT4 if pruning is INT4 else None)
+    affine, layerscale = train_models.scale_shift_defs(pruning if pruning in (INT4, INT4_ROWS) else None)
     model = train_models.ResMLP(
         num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
         head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, remat=remat, remat_policy=policy,
@@ -62,13 +68,16 @@ def _resmlp(setting: str):
 
 
 def _third_party(name: str, setting: str):
+    if setting == "pool2":
+        return None  # no convolutions to pool
     if name == "vit-b16":
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=64, image=224, patch=16, classes=1000)
         model, shape, stand_in = tpm.vit(c), (c.batch, 224, 224, 3), "vit"
-    else:  # lm1b-style LM, 12 x 768, T=2048
+    else:  # lm1b-style LM, 12 x 768, T=2048, computing in bfloat16 as lm1b does
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=8, length=2048, vocab=32000)
-        model, shape, stand_in = tpm.lm(c), (c.batch, c.length), "lm"
-    rules = {"topk": [Rule("*", TOPK)], "int4": [Rule("*", INT4)], "remat-int4": [Rule("*", INT4)], "lean": [Rule("*", None)]}
+        model, shape, stand_in = tpm.lm(c, dtype=jnp.bfloat16), (c.batch, c.length), "lm"
+    rules = {"topk": [Rule("*", TOPK)], "int4": [Rule("*", INT4)], "int4-rows": [Rule("*", INT4_ROWS)], "remat-int4": [Rule("*", INT4)],
+             "lean": [Rule("*", None)]}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting])
     context = contextlib.nullcontext()
@@ -78,29 +87,54 @@ def _third_party(name: str, setting: str):
     return model, shape, c.vocab if name == "lm-12x768" else c.classes, context
 
 
-MODELS = {"resmlp-s12": _resmlp, "vit-b16": functools.partial(_third_party, "vit-b16"), "lm-12x768": functools.partial(_third_party, "lm-12x768")}
+def _resnet50(setting: str):
+    # flax examples' ResNet-50 (train/resnet.py), ImageNet 224 px, B=64, BatchNorm in training mode.
+    # Convolutions take the conv paper's compression where the setting names one; there are no
+    # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
+    compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
+                   "pool2": Pooling(factor=2)}.get(setting)
+    if setting in ("lean", "int4-rows"):
+        return None  # convolutions quantize in their own blocks (Pooling)
+    block = train_resnet.BottleneckResNetBlock
+    if setting.startswith("remat"):
+        policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
+        block = nn.remat(block, policy=policy)
+    rules = train_resnet.compression_rules(compression) if compression else None
+    model = train_resnet.ResNet50(num_classes=1000, block_cls=block)
+    if rules:
+        model = bsr_jax.compress_model(model, rules)
+    return model, (64, 224, 224, 3), 1000, contextlib.nullcontext()
+
+
+MODELS = {"resmlp-s12": _resmlp, "resnet50": _resnet50, "vit-b16": functools.partial(_third_party, "vit-b16"), "lm-12x768": functools.partial(_third_party, "lm-12x768")}
 
 
 def step_args(model, shape, classes):
-    """The adamw training step of ``model`` and its abstract arguments (params, opt state, x, y)."""
+    """The adamw training step of ``model`` and its abstract arguments (variables, opt state, x, y).
+
+    Only ``variables["params"]`` is trained; other collections (BatchNorm's ``batch_stats``) are
+    updated by the forward pass and returned, as a training loop would."""
     tokens = len(shape) == 2
     x = jax.ShapeDtypeStruct(shape, jnp.int32 if tokens else jnp.float32)
     y = jax.ShapeDtypeStruct(shape if tokens else shape[:1], jnp.int32)
     init_x = jnp.zeros((1,) + shape[1:], x.dtype)
-    params = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "pruning": jax.random.key(1)}, init_x))
+    variables = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "pruning": jax.random.key(1)}, init_x))
     tx = optax.adamw(1e-3)
-    opt = jax.eval_shape(tx.init, params)
+    opt = jax.eval_shape(tx.init, variables["params"])
 
-    def step(params, opt, x, y):
-        def loss(p):
-            logits = model.apply(p, x, rngs={"pruning": jax.random.key(2)})
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+    def step(variables, opt, x, y):
+        params = variables["params"]
+        stats = {k: v for k, v in variables.items() if k != "params"}
 
-        value, grads = jax.value_and_grad(loss)(params)
+        def loss(params):
+            logits, new_stats = model.apply({"params": params} | stats, x, rngs={"pruning": jax.random.key(2)}, mutable=list(stats))
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean(), new_stats
+
+        (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, value
+        return {"params": optax.apply_updates(params, updates)} | new_stats, opt, value
 
-    return step, (params, opt, x, y)
+    return step, (variables, opt, x, y)
 
 
 def measure(name: str, setting: str, target: str) -> dict | None:
@@ -136,7 +170,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["resmlp-s12", "vit-b16", "lm-12x768"])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--targets", nargs="+", choices=("h100", "tpu-v5p"), default=["h100", "tpu-v5p"])
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")

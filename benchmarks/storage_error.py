@@ -3,7 +3,7 @@
 For every model of ``tests/third_party_models.py`` (Mixer, ViT, lm1b LM, GPT-2, Llama at issue 13's
 configuration: 4 layers, width 128, batch 8; parameters at their init plus 0.05 normal noise, inputs
 normal images / random tokens from fixed seeds), ``compress_model(model, Rule("*", Pruning(0.0,
-storage_dtype=d)))`` keeps every linear and conv input in ``d`` with per-block scales (block 16) and
+storage_dtype=d)))`` keeps every linear and conv input in ``d`` with per-block scales (``--block``, 16x16) and
 rounds to nearest. Per parameter whose gradient storage changes (the ``ndim >= 2`` leaves whose
 gradient differs at all: kernels, tied embeddings; not biases), the relative Frobenius error ``||dW_d - dW|| / ||dW||`` against plain autodiff of
 the unmodified model is reported, with the spread over layers (min / median / max). Everything else
@@ -44,11 +44,11 @@ def _models(c: tpm.Config):
     }
 
 
-def layer_errors(model, x, loss, storage: str) -> dict[str, float]:
+def layer_errors(model, x, loss, storage: str, block: tuple[int, int] = (16, 16)) -> dict[str, float]:
     """Relative Frobenius error of each ``ndim >= 2`` parameter's gradient, by parameter path."""
     params = tpm.jitter(model.init(jax.random.key(0), x))
     grad = lambda m: jax.jit(jax.grad(lambda p: loss(m.apply(p, x))))(params)
-    dense, stored = grad(model), grad(compress_model(model, Rule("*", Pruning(0.0, block=16, storage_dtype=storage))))
+    dense, stored = grad(model), grad(compress_model(model, Rule("*", Pruning(0.0, block=block, storage_dtype=storage))))
     errors = {}
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(stored)[0], jax.tree.leaves(dense)):
         name = jax.tree_util.keystr(path, simple=True, separator="/")
@@ -64,13 +64,15 @@ def layer_errors(model, x, loss, storage: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/storage_error.json")
+    parser.add_argument("--block", default="16x16", type=lambda t: tuple(int(v) for v in t.split("x")),
+                        help="block ROWSxCOLS of the per-block scales (default 16x16; 1x128: row blocks, see docs/memory.md)")
     args = parser.parse_args(argv)
     meta = run_metadata()
     rows, layers = [], {}
     print(f"{'model':<6} {'storage':<7} {'layers':>6} {'min':>7} {'median':>7} {'max':>7}  worst layer")
     for name, (model, x, loss) in _models(tpm.ISSUE).items():
         for storage in STORAGE:
-            errors = layer_errors(model, x, loss, storage)
+            errors = layer_errors(model, x, loss, storage, args.block)
             values = sorted(errors.values())
             worst = max(errors, key=errors.get)
             rows.append(dict(model=name, storage=storage, layers=len(values), min=values[0], median=statistics.median(values), max=values[-1], worst=worst))
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     every = {s: [e for key, errs in layers.items() if key.endswith(s) for e in errs.values()] for s in STORAGE}
     for s, values in every.items():
         print(f"all    {s:<7} {len(values):>6} {min(values):>7.4f} {statistics.median(values):>7.4f} {max(values):>7.4f}")
-    write_json(args.out, meta, dict(config=str(tpm.ISSUE), rows=rows, layers=layers))
+    write_json(args.out, meta, dict(config=str(tpm.ISSUE), block=args.block, rows=rows, layers=layers))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ residual's use wait for the cotangent of that layer, so decompression runs next 
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 from jax import lax
@@ -29,14 +29,42 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
-def materialize(y: T, residual: U) -> tuple[T, U]:
-    """``(y, residual)`` unchanged, with ``residual`` computed before any use of ``y``.
+@jax.tree_util.register_pytree_node_class
+class Stored:
+    """A residual as the compiled program keeps it: every array flattened to one dimension.
+
+    XLA:TPU tiles an array's two minor dimensions to (8, 128): kept blocks ``(n, 16, 16)`` would
+    take 8x their bytes, a 1-D array takes its own. On GPU and CPU the reshape is free."""
+
+    def __init__(self, flat: tuple[jax.Array, ...], layout: tuple[Any, tuple[tuple[int, ...], ...]]):
+        self.flat, self.layout = flat, layout
+
+    @classmethod
+    def of(cls, residual: Any) -> Stored:
+        leaves, treedef = jax.tree.flatten(residual)
+        return cls(tuple(a.reshape(-1) for a in leaves), (treedef, tuple(a.shape for a in leaves)))
+
+    def restore(self) -> Any:
+        treedef, shapes = self.layout
+        return jax.tree.unflatten(treedef, [a.reshape(shape) for a, shape in zip(self.flat, shapes)])
+
+    def tree_flatten(self):
+        return self.flat, self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, flat):
+        return cls(tuple(flat), layout)
+
+
+def materialize(y: T, residual: U) -> tuple[T, Stored]:
+    """``y`` and ``residual`` as a ``Stored``, computed before any use of ``y``; ``when_needed``
+    gives the residual back.
 
     The residual's arrays are named ``RESIDUAL_NAME`` again on this side of the barrier, so a
     ``jax.checkpoint`` policy saving that name keeps them as they are (recomputing the barrier
     would keep ``y``'s producer as well)."""
-    y, residual = lax.optimization_barrier((y, residual))
-    return y, named(residual)
+    y, stored = lax.optimization_barrier((y, Stored.of(residual)))
+    return y, named(stored)
 
 
 def named(residual: T) -> T:
@@ -44,7 +72,14 @@ def named(residual: T) -> T:
     return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), residual)
 
 
-def when_needed(residual: T, dy: U) -> tuple[T, U]:
-    """``(residual, dy)`` unchanged, the residual read no earlier than ``dy`` exists. Use the
-    returned ``dy``: XLA drops a barrier's operands whose results nobody reads."""
-    return lax.optimization_barrier((residual, dy))
+def when_needed(residual: T | Stored, dy: U) -> tuple[T, U]:
+    """``(residual, dy)`` unchanged (a ``Stored`` one restored), the residual read no earlier than
+    ``dy`` exists. Use the returned ``dy``: XLA drops a barrier's operands whose results nobody
+    reads."""
+    residual, dy = lax.optimization_barrier((residual, dy))
+    return (residual.restore() if isinstance(residual, Stored) else residual), dy
+
+
+def together(dx: T, dw: U) -> tuple[T, U]:
+    """``(dx, dw)`` unchanged, both computed before either is used."""
+    return lax.optimization_barrier((dx, dw))

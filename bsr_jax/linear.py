@@ -90,6 +90,7 @@ def _pruned_dot_bwd(config, residuals, dy):
     dy2 = dy.reshape(-1, math.prod(w.shape) // k)
     dy2 = jnp.pad(dy2, ((0, blocks.padded_shape[0] - dy2.shape[0]), (0, 0)))
     dw = backends.dw_from_blocks(blocks, dy2, config.backend)[:k].reshape(w.shape)
+    dx, dw = barriers.together(dx, dw)
     return dx.astype(blocks.dense_dtype or blocks.values.dtype), dw.astype(w.dtype)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -179,13 +180,15 @@ class LmMlpBlock(nn.Module):
     mlp_dim: int
     dropout_rate: float
     deterministic: bool
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, inputs):
-        x = nn.Dense(self.mlp_dim, kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6))(inputs)
+        init = dict(kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6), dtype=self.dtype)
+        x = nn.Dense(self.mlp_dim, **init)(inputs)
         x = nn.relu(x)
         x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=self.deterministic)
-        x = nn.Dense(inputs.shape[-1], kernel_init=nn.initializers.xavier_uniform(), bias_init=nn.initializers.normal(stddev=1e-6))(x)
+        x = nn.Dense(inputs.shape[-1], **init)(x)
         return nn.Dropout(rate=self.dropout_rate)(x, deterministic=self.deterministic)
 
 
@@ -194,12 +197,14 @@ class EncoderDecoder1DBlock(nn.Module):
     num_heads: int
     dropout_rate: float
     deterministic: bool
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, inputs, decoder_mask=None):
-        x = nn.LayerNorm()(inputs)
+        x = nn.LayerNorm(dtype=self.dtype)(inputs)
         x = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads,
+            dtype=self.dtype,
             kernel_init=nn.initializers.xavier_uniform(),
             bias_init=nn.initializers.normal(stddev=1e-6),
             use_bias=False,
@@ -209,8 +214,8 @@ class EncoderDecoder1DBlock(nn.Module):
         )(x, mask=decoder_mask)
         x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=self.deterministic)
         x = x + inputs
-        z = nn.LayerNorm()(x)
-        z = LmMlpBlock(self.mlp_dim, self.dropout_rate, self.deterministic)(z)
+        z = nn.LayerNorm(dtype=self.dtype)(x)
+        z = LmMlpBlock(self.mlp_dim, self.dropout_rate, self.deterministic, self.dtype)(z)
         return x + z
 
 
@@ -223,6 +228,7 @@ class TransformerLM(nn.Module):
     max_len: int
     dropout_rate: float = 0.1
     deterministic: bool = True
+    dtype: Any = jnp.float32  # computation dtype (lm1b trains in bfloat16); params stay float32
 
     @nn.compact
     def __call__(self, inputs):
@@ -232,12 +238,12 @@ class TransformerLM(nn.Module):
         pos = self.param("pos_embedding", nn.initializers.normal(stddev=0.02), (1, self.max_len, self.emb_dim))
         y = y + pos[:, : y.shape[1]]
         y = nn.Dropout(rate=self.dropout_rate)(y, deterministic=self.deterministic)
+        y = y.astype(self.dtype)
         for lyr in range(self.num_layers):
-            y = EncoderDecoder1DBlock(self.mlp_dim, self.num_heads, self.dropout_rate, self.deterministic, name=f"encoderdecoderblock_{lyr}")(
-                y, decoder_mask
-            )
-        y = nn.LayerNorm(name="encoderdecoder_norm")(y)
-        return nn.Dense(self.vocab_size, kernel_init=nn.initializers.xavier_uniform(), name="logitdense")(y)
+            block = EncoderDecoder1DBlock(self.mlp_dim, self.num_heads, self.dropout_rate, self.deterministic, self.dtype, name=f"encoderdecoderblock_{lyr}")
+            y = block(y, decoder_mask)
+        y = nn.LayerNorm(dtype=self.dtype, name="encoderdecoder_norm")(y)
+        return nn.Dense(self.vocab_size, kernel_init=nn.initializers.xavier_uniform(), dtype=self.dtype, name="logitdense")(y)
 
 
 # ---- NNX: LayerNorm + two Linear ----
@@ -264,8 +270,8 @@ def vit(c: Config = ISSUE, dropout_rate: float = 0.0) -> VisionTransformer:
     return VisionTransformer(c.patch, c.classes, c.layers, c.width, c.mlp, c.heads, dropout_rate, dropout_rate)
 
 
-def lm(c: Config = ISSUE, dropout_rate: float = 0.0) -> TransformerLM:
-    return TransformerLM(c.vocab, c.width, c.layers, c.mlp, c.heads, c.length, dropout_rate, deterministic=dropout_rate == 0.0)
+def lm(c: Config = ISSUE, dropout_rate: float = 0.0, dtype=jnp.float32) -> TransformerLM:
+    return TransformerLM(c.vocab, c.width, c.layers, c.mlp, c.heads, c.length, dropout_rate, dropout_rate == 0.0, dtype)
 
 
 def nnx_mlp(c: Config = ISSUE, seed: int = 0) -> NnxMlp:
