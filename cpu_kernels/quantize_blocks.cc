@@ -19,7 +19,6 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,6 +28,11 @@
 #define BSR_INLINE [[gnu::always_inline]] inline
 
 namespace ffi = xla::ffi;
+
+// Bit (1 << isa) per instruction set this CPU and OS support (bsr_t_matmul.cc): the paths' target
+// attributes must match what it checks (avx512f, avx2, fma), or a path could die on an illegal
+// instruction instead of failing the call.
+extern "C" int32_t BsrJaxCpuIsaMask();
 
 namespace bsr_jax {
 namespace {
@@ -52,10 +56,10 @@ BSR_INLINE F RoundHalfEven(F v) {
 }
 
 // Blocks are handled a vector register of floats at a time (GCC/clang generic vectors sized per
-// path: 16-float vectors lowered to AVX2 or SSE2 took 6x longer); the buffers are padded to
-// whole pairs of the widest vectors with zeros, which change neither max |v| nor the stored values. (Plain
-// loops stayed scalar: a float max reduction is not vectorised without -ffast-math, and int8
-// stores may alias anything. That version took 6x the time of one XLA pass over x.)
+// path: 16-float vectors lowered to AVX2 or SSE2 took 3-4x longer); the buffers are padded to
+// whole pairs of the widest vectors with zeros, which change neither max |v| nor the stored
+// values. (Plain loops stayed scalar: a float max reduction is not vectorised without -ffast-math,
+// and int8 stores may alias anything. That version took 3-8x the time of one XLA pass over x.)
 template <int L>  // lanes: one vector register of floats (16 AVX-512, 8 AVX2, 4 portable)
 struct Vectors {
   typedef float Floats __attribute__((vector_size(L * 4)));
@@ -158,7 +162,7 @@ BSR_INLINE void StoreBlock(const Job& q, int64_t slot, const int8_t* ints) {
     const Pairs pairs = LoadVec<Pairs>(ints + e);
     StoreVec(dst + e / 2, __builtin_convertvector((pairs & 0xF) | ((pairs >> 4) & 0xF0), typename Vectors<L>::Packed));
   }
-  for (; e + 1 < size; e += 2) dst[e / 2] = (ints[e] & 0xF) | (ints[e + 1] << 4);
+  for (; e + 1 < size; e += 2) dst[e / 2] = (ints[e] & 0xF) | ((ints[e + 1] & 0xF) << 4);
   if (size % 2) dst[size / 2] = ints[size - 1] & 0xF;
 }
 
@@ -181,7 +185,7 @@ void RunPortable(const Job& q, int64_t i, float* block, int8_t* ints) { RunBlock
 __attribute__((target("avx2,fma"))) void RunAvx2(const Job& q, int64_t i, float* block, int8_t* ints) {
   RunBlockRow<8>(q, i, block, ints);
 }
-__attribute__((target("avx512f,avx512bw,avx2,fma"))) void RunAvx512(const Job& q, int64_t i, float* block, int8_t* ints) {
+__attribute__((target("avx512f,avx2,fma"))) void RunAvx512(const Job& q, int64_t i, float* block, int8_t* ints) {
   RunBlockRow<16>(q, i, block, ints);
 }
 #endif
@@ -204,7 +208,8 @@ ffi::Error QuantizeBlocks(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ff
     return Invalid("x must be f32 or bf16");
   if (bm < 1 || bk < 1 || bm > dims[0] || bk > dims[1]) return Invalid("block sides must be in [1, x's sides]");
   if (bits != 4 && bits != 8) return Invalid("bits must be 4 or 8");
-  if (isa < kPortable || isa > kAvx512) return Invalid("isa " + std::to_string(isa) + " is unknown");
+  if (isa < kPortable || isa > kAvx512 || !(BsrJaxCpuIsaMask() & (1 << isa)))
+    return Invalid("isa " + std::to_string(isa) + " is not supported by this CPU");
   Job q{x.untyped_data(), x.element_type() == ffi::DataType::BF16, static_cast<uint8_t*>(out->untyped_data()),
         scales->typed_data(), dims[0], dims[1], bm, bk, (dims[0] + bm - 1) / bm, (dims[1] + bk - 1) / bk,
         bits == 8 ? 127 : 7};
