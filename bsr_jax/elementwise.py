@@ -47,7 +47,8 @@ def _pruned_scale_bwd(pruning, residuals, dy):
     blocks, dy = barriers.when_needed(blocks, dy)
     blocks = blocks.dequantized()
     dscale = blocksparse_column_dot(blocks, dy.reshape(-1, dy.shape[-1]))
-    return (dy * scale).astype(blocks.values.dtype), dscale.astype(scale.dtype), None
+    dx, dscale = barriers.together(dy * scale, dscale)
+    return dx.astype(blocks.values.dtype), dscale.astype(scale.dtype), None
 
 
 _pruned_scale.defvjp(_pruned_scale_fwd, _pruned_scale_bwd)
