@@ -225,10 +225,9 @@ def _route_nnx_module(module: nnx.Module, compression: rules_lib.Compression, na
 def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx.Module:
     matched: set[int] = set()
     patterns = [rule.pattern for rule in rules]
-    for path, module in nnx.iter_modules(model):
+    for name, module in rules_lib.nnx_module_paths(model):
         if not isinstance(module, (*ROUTED_NNX, ROUTED_NNX_CONV, REPORTED_NNX)):
             continue
-        name = "/".join(str(p) for p in path)
         i = rules_lib.first_match(patterns, name)
         if i is None:
             continue

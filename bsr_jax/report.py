@@ -7,6 +7,11 @@ that read it. Module paths come from the name stack Flax (linen's named scopes) 
 equation's source info, with JAX's transform wrappers (``jvp(...)``, ``transpose(...)``) and the
 linen root's class name removed, so they are the paths rules and ``pruning_plan`` use (a nested
 ``submodule.apply`` included: ``lm_head``); arrays produced outside any module have the path ``""``.
+NNX modules record no name stack: while the report traces, each NNX module called under the
+outermost one (the root) gets its attribute path as name stack (``layers/0/mlp``:
+``rules.nnx_module_paths``, the paths ``compress_model``'s rules match). Module copies an NNX
+transform makes (``nnx.remat``, ``nnx.scan``; lean NNX norms run under ``nnx.remat``) are not the
+root's and take the path of the module calling the transform.
 
 Kinds, in order of precedence:
 
@@ -24,16 +29,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.extend as jex
+from flax import nnx
+from jax._src import source_info_util
 
 from bsr_jax.format import RESIDUAL_NAME
 from bsr_jax.memory import MIB, _aval_bytes
+from bsr_jax.rules import nnx_module_paths
 
 KINDS = ("parameter", "input", "shared", "compressed", "dense")
 # Primitives that only relabel, reshape or repack their input: a compressed array stays compressed
@@ -164,6 +174,54 @@ def _recording_roots(roots: set[str]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _naming_nnx_modules() -> Iterator[None]:
+    """Give NNX module calls the name stacks linen's named scopes give linen ones: while tracing in
+    this thread, the ``__call__`` of every ``nnx.Module`` subclass defined so far runs, below the
+    outermost module called (the root), with the name stack set to the module's rule path
+    (``nnx_module_paths`` of the root). Set, not extended: a module called from outside its
+    parent (a shared one) still gets its own path, the one its rule matched."""
+    owner, stacks = threading.get_ident(), {}  # module id -> its name stack, while the root's call runs
+
+    def name_stack(path: str) -> source_info_util.NameStack:
+        # One scope per part, as nested named scopes give: transform wrappers (``transpose(...)``)
+        # then wrap a part, which ``module_path`` removes.
+        return functools.reduce(source_info_util.NameStack.extend, filter(None, path.split("/")), source_info_util.new_name_stack())
+
+    def named(call):
+        @functools.wraps(call)
+        def wrapper(module, *args, **kwargs):
+            if threading.get_ident() != owner:
+                return call(module, *args, **kwargs)
+            if not stacks:
+                stacks.update((id(m), name_stack(path)) for path, m in nnx_module_paths(module))
+                try:
+                    return call(module, *args, **kwargs)
+                finally:
+                    stacks.clear()
+            stack = stacks.get(id(module))
+            if not stack:  # the root again (a subclass calling its base) or a module outside its graph
+                return call(module, *args, **kwargs)
+            with source_info_util.set_name_stack(stack):
+                return call(module, *args, **kwargs)
+
+        return wrapper
+
+    calls, pending = {}, [nnx.Module]
+    while pending:  # every nnx.Module subclass defined so far with a __call__ of its own
+        cls = pending.pop()
+        pending += cls.__subclasses__()
+        if "__call__" in vars(cls):
+            calls[cls] = vars(cls)["__call__"]
+    for cls, call in calls.items():
+        cls.__call__ = named(call)
+    try:
+        yield
+    finally:
+        for cls, call in calls.items():
+            cls.__call__ = call
+
+
 def _through_views(var, producers: dict) -> tuple[Any, bool]:
     """The variable ``var`` is a view of (following ``_VIEWS`` and ``checkpoint_name``), and whether
     the chain passes a bsr_jax residual name."""
@@ -206,7 +264,7 @@ def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> Residual
         return residuals
 
     found_roots: set[str] = set()
-    with _recording_roots(found_roots):
+    with _recording_roots(found_roots), _naming_nnx_modules():
         closed = jax.make_jaxpr(forward)(params, *args)
     roots = frozenset(found_roots)
     fwd = closed.jaxpr

@@ -30,6 +30,7 @@ from typing import Any, overload
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from bsr_jax.format import PRUNING_OPTIONS, Pruning
 from bsr_jax.pooling import Pooling
@@ -91,6 +92,13 @@ def module_path(module: Any) -> str:
     entry = active.prefixes.get(id(module.scope.root)) if active is not None else None
     prefix = entry[1] if entry is not None and entry[0] is module.scope.root else ()
     return "/".join((*prefix, *module.path))
+
+
+def nnx_module_paths(model: nnx.Module) -> Iterator[tuple[str, nnx.Module]]:
+    """Each module of an NNX model (``model`` itself: ``""``) with its rule path, the '/'-joined
+    attribute path (``"layers/0/mlp"``): what ``compress_model`` matches and ``residual_report`` shows."""
+    for path, module in nnx.iter_modules(model):
+        yield "/".join(str(p) for p in path), module
 
 
 def enter_module(module: Any, caller: Any | None) -> None:

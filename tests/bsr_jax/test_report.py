@@ -3,9 +3,12 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 import third_party_models as tpm
+from flax import nnx
 
 import bsr_jax
+from bsr_jax import Pruning, Rule
 from bsr_jax.lean import lean_neighbours
 from bsr_jax.report import KINDS, module_path, residual_report
 
@@ -133,3 +136,21 @@ def test_a_batch_closed_over_by_the_loss_is_data_not_parameters():
     assert closed.totals()["parameter"] <= passed.totals()["parameter"]
     parameters = lambda report: {(r.path, r.shape) for r in report.rows if r.kind == "parameter"}
     assert parameters(closed) <= parameters(passed)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_nnx_rows_name_the_modules_as_rules_do(nested):
+    """NNX modules record no name stack of their own: the rows still carry their attribute paths,
+    the paths compress_model's rules matched (nested: ``layers/0/fc1``)."""
+    c = tpm.TINY
+    model, at = (nnx.Sequential(tpm.nnx_mlp(c)), "layers/0/") if nested else (tpm.nnx_mlp(c), "")
+    # lean=False: lean norms run under nnx.remat, whose module copies take their caller's path.
+    model = bsr_jax.compress_model(model, [Rule(f"{at}fc2", None), Rule(f"{at}fc1", Pruning(0.5, block=4))], lean=False)
+    graph, state = nnx.split(model)
+    report = residual_report(lambda state, x: jnp.sum(nnx.merge(graph, state)(x) ** 2), state, tpm.features(c))
+    compressed = [r for r in report.rows if r.kind == "compressed"]
+    assert compressed and {r.path for r in compressed} == {f"{at}fc1"}
+    assert {r.readers for r in compressed} == {(f"{at}fc1",)}
+    assert {(f"{at}norm", "parameter"), (f"{at}norm", "dense"), (f"{at}fc1", "dense")} <= set(report.by_path())
+    mlp = at.rstrip("/")  # the MLP's own code (gelu) and the loss's (``** 2``: the root's, "")
+    assert {reader for r in report.rows for reader in r.readers} == {"", mlp, f"{at}norm", f"{at}fc1", f"{at}fc2"}
