@@ -9,12 +9,14 @@ rows already there are skipped, so an interrupted run resumes.
     python -m benchmarks.compiled_memory --models resmlp-s12 vit-b16 --targets h100 tpu-v5p
     python -m benchmarks.compiled_memory --table-only       # print the table of the JSON
 
-Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``int4`` (every
+Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``topk-all``
+(ResMLP only: s0.7/16 on the Affine/LayerScale inputs too, ``--prune-scale-shift``); ``int4`` (every
 parameter-gradient residual in int4, the recommended setting); ``lean`` (compress_model with
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
 (per block, ``dots_with_no_batch_dims_saveable``); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
-values of a row, which XLA:TPU stores without padding); ``pool2`` (ResNet-50 only: every convolution keeps its input
+values of a row, which XLA:TPU stores without padding); the settings of ``presets.MEASURED``
+(ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
 average-pooled 2x2, the conv paper's method).
 """
 
@@ -36,7 +38,7 @@ import flax.linen as nn  # noqa: E402
 import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
-from bsr_jax import Pooling, Pruning, Rule  # noqa: E402
+from bsr_jax import Pooling, Pruning, Rule, presets  # noqa: E402
 from benchmarks.models import remat_blocks  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from tests import third_party_models as tpm  # noqa: E402
@@ -44,21 +46,26 @@ from train import models as train_models  # noqa: E402
 from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
-SETTINGS = ("dense", "topk", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-int4")
+SETTINGS = ("dense", "topk", "topk-all", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-int4")
 TOPK = Pruning(0.7, block=16)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 # The same storage with one scale per 128 values of a row: lane-dense on TPU (docs/memory.md).
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
+# presets.recommended's measured settings (every residual under one Pruning), peaks read back by
+# presets.MEASURED: named as in the accuracy study.
+PRESET_SETTINGS = {m.config: m.pruning for m in presets.MEASURED if m.config != "dense"}
+SETTINGS += tuple(PRESET_SETTINGS)
 REMAT_POLICIES = {"remat": None, "remat-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def _resmlp(setting: str):
-    pruning = {"topk": TOPK, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4}.get(setting)
+    pruning = {"topk": TOPK, "topk-all": TOPK, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4}.get(setting) or PRESET_SETTINGS.get(setting)
     if setting in ("lean", "pool2"):
         return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
     remat = setting.startswith("remat")
     policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
-    affine, layerscale = train_models.scale_shift_defs(pruning if pruning in (INT4, INT4_ROWS) else None)
+    every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4") or setting in PRESET_SETTINGS
+    affine, layerscale = train_models.scale_shift_defs(pruning if every_residual else None)
     model = train_models.ResMLP(
         num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
         head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, remat=remat, remat_policy=policy,
@@ -68,7 +75,7 @@ def _resmlp(setting: str):
 
 
 def _third_party(name: str, setting: str):
-    if setting == "pool2":
+    if setting in ("pool2", "topk-all") or setting in PRESET_SETTINGS:
         return None  # no convolutions to pool
     if name == "vit-b16":
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=64, image=224, patch=16, classes=1000)
@@ -93,7 +100,7 @@ def _resnet50(setting: str):
     # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
-    if setting in ("lean", "int4-rows"):
+    if setting in ("lean", "int4-rows", "topk-all") or setting in PRESET_SETTINGS:
         return None  # convolutions quantize in their own blocks (Pooling)
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
