@@ -10,7 +10,8 @@ rows already there are skipped, so an interrupted run resumes.
     python -m benchmarks.compiled_memory --table-only       # print the table of the JSON
 
 Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``topk-all``
-(ResMLP only: s0.7/16 on the Affine/LayerScale inputs too, ``--prune-scale-shift``); ``int4`` (every
+(ResMLP only: s0.7/16 on the Affine/LayerScale inputs too, ``--prune-scale-shift``); ``topk-wide``
+(s0.7 in blocks of 8 x 128, XLA:TPU's tile); ``int4`` (every
 parameter-gradient residual in int4, the recommended setting); ``lean`` (compress_model with
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
 (per block, ``dots_with_no_batch_dims_saveable``); ``remat-int4`` (int4 inside blocks remat'd with
@@ -46,8 +47,9 @@ from train import models as train_models  # noqa: E402
 from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
-SETTINGS = ("dense", "topk", "topk-all", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-int4")
+SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-int4")
 TOPK = Pruning(0.7, block=16)
+TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 # The same storage with one scale per 128 values of a row: lane-dense on TPU (docs/memory.md).
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
@@ -59,7 +61,7 @@ REMAT_POLICIES = {"remat": None, "remat-dots": jax.checkpoint_policies.dots_with
 
 
 def _resmlp(setting: str):
-    pruning = {"topk": TOPK, "topk-all": TOPK, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4}.get(setting) or PRESET_SETTINGS.get(setting)
+    pruning = {"topk": TOPK, "topk-all": TOPK, "topk-wide": TOPK_WIDE, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4}.get(setting) or PRESET_SETTINGS.get(setting)
     if setting in ("lean", "pool2"):
         return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
     remat = setting.startswith("remat")
@@ -83,7 +85,7 @@ def _third_party(name: str, setting: str):
     else:  # lm1b-style LM, 12 x 768, T=2048, computing in bfloat16 as lm1b does
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=8, length=2048, vocab=32000)
         model, shape, stand_in = tpm.lm(c, dtype=jnp.bfloat16), (c.batch, c.length), "lm"
-    rules = {"topk": [Rule("*", TOPK)], "int4": [Rule("*", INT4)], "int4-rows": [Rule("*", INT4_ROWS)], "remat-int4": [Rule("*", INT4)],
+    rules = {"topk": [Rule("*", TOPK)], "topk-wide": [Rule("*", TOPK_WIDE)], "int4": [Rule("*", INT4)], "int4-rows": [Rule("*", INT4_ROWS)], "remat-int4": [Rule("*", INT4)],
              "lean": [Rule("*", None)]}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting])
@@ -100,7 +102,7 @@ def _resnet50(setting: str):
     # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
-    if setting in ("lean", "int4-rows", "topk-all") or setting in PRESET_SETTINGS:
+    if setting in ("lean", "int4-rows", "topk-all", "topk-wide") or setting in PRESET_SETTINGS:
         return None  # convolutions quantize in their own blocks (Pooling)
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
