@@ -181,7 +181,9 @@ def test_unsupported_products_stay_dense_and_exact():
     params = layer.init(jax.random.key(1), x)
     compressed = compress_model(layer, [Rule("*", Pruning(0.7, block=2))], lean=False)
     grad = lambda m: jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, x))))(params)
-    chex.assert_trees_all_equal(grad(compressed), grad(layer))
+    with pytest.warns(UserWarning, match="the root module stays dense: the module has its own dot_general or batch dims"):
+        compressed_grad = grad(compressed)
+    chex.assert_trees_all_equal(compressed_grad, grad(layer))
 
 
 # ---- convolutions: nn.Conv and subclasses routed to the compressed conv ----
@@ -263,10 +265,10 @@ def test_resnet18_pool2_keeps_at_most_060_of_dense_with_exact_input_gradient():
         ratio = activations(compressed) / activations(model)
         dense_dx = jax.jit(jax.grad(_train_loss(model, variables), 1))(variables["params"], x)
         dx = jax.jit(jax.grad(_train_loss(compressed, variables), 1))(variables["params"], x)
+        compressed_forward = compressed.apply(variables, x, mutable=["batch_stats"])
     assert ratio <= 0.60, ratio
     chex.assert_trees_all_close(dx, dense_dx, rtol=1e-5, atol=1e-6)
-    y, stats = model.apply(variables, x, mutable=["batch_stats"])
-    chex.assert_trees_all_equal(compressed.apply(variables, x, mutable=["batch_stats"]), (y, stats))
+    chex.assert_trees_all_equal(compressed_forward, model.apply(variables, x, mutable=["batch_stats"]))
     # Without lean neighbours the conv inputs alone are a small part of what is kept.
     every_conv = [Rule("Dense_0", None), Rule("*", bsr_jax.Pooling(2))]
     assert activations(compress_model(model, every_conv, lean=False)) > 0.75 * activations(model)
