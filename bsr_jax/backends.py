@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
-from bsr_jax import sharding
+from bsr_jax import platforms, sharding
 from bsr_jax.format import BlockSparse
 from bsr_jax.pallas_backend import pallas_dw
 from bsr_jax.xla_backend import xla_dw
@@ -75,17 +75,11 @@ BACKENDS: dict[str, DwBackend] = {
 
 
 def platform_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
-    """``PLATFORM_DEFAULTS``' backend of the platform being lowered for (``"xla"`` elsewhere).
-
-    Inside ``jax.shard_map`` (a mesh of manual axes) the backends' results vary over different
-    axes, which ``platform_dependent``'s branches may not, so there the choice is by the host's
-    platform (``jax.default_backend()``), as before: compile ahead of time for another platform
-    with ``jax.jit`` over sharded arrays (bsr_jax.sharding), or pass ``backend=``."""
-    if jax.typeof(dy).manual_axis_type.varying:
-        host = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())  # jax calls CUDA/ROCm "gpu"
-        return BACKENDS[PLATFORM_DEFAULTS.get(host, "xla")](bsr, dy)
+    """``PLATFORM_DEFAULTS``' backend of the platform being lowered for (``"xla"`` elsewhere); inside
+    ``jax.shard_map`` by the host's platform (``bsr_jax.platforms``): compile ahead of time for
+    another platform with ``jax.jit`` over sharded arrays (bsr_jax.sharding), or pass ``backend=``."""
     branches = {platform: BACKENDS[name] for platform, name in PLATFORM_DEFAULTS.items()}
-    return jax.lax.platform_dependent(bsr, dy, default=BACKENDS["xla"], **branches)
+    return platforms.by_lowering_platform(dy, BACKENDS["xla"], branches, bsr, dy)
 
 
 BACKENDS[AUTO] = platform_dw

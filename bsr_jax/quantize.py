@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
+from bsr_jax import platforms
 
 StorageDtype = Literal["bfloat16", "float8_e4m3fn", "int8", "int4"]
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
@@ -131,7 +132,4 @@ def quantize_matrix(
     if key is not None or storage_dtype not in cpu_kernels.QUANTIZE_BITS or x.dtype not in (jnp.float32, jnp.bfloat16):
         return reference(x)
     kernel = lambda x: cpu_kernels.quantize_blocks(x, block, storage_dtype)  # noqa: E731
-    if jax.typeof(x).manual_axis_type.varying:
-        # Inside shard_map, as bsr_jax.backends.platform_dw: chosen by the host's platform.
-        return kernel(x) if jax.default_backend() == "cpu" else reference(x)
-    return jax.lax.platform_dependent(x, cpu=kernel, default=reference)
+    return platforms.by_lowering_platform(x, reference, {"cpu": kernel}, x)
