@@ -33,13 +33,14 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import flax.linen as nn  # noqa: E402
 import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
 from bsr_jax import Pooling, Pruning, Rule, presets  # noqa: E402
+from bsr_jax.compiled import DEVICELESS_TARGETS  # noqa: E402
 from benchmarks.models import remat_blocks  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from tests import third_party_models as tpm  # noqa: E402
@@ -103,7 +104,7 @@ def _resnet50(setting: str):
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
     if setting in ("lean", "int4-rows", "topk-all", "topk-wide") or setting in PRESET_SETTINGS:
-        return None  # convolutions quantize in their own blocks (Pooling)
+        return None  # ResMLP/transformer settings: convolutions quantize in Pooling's own blocks
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
@@ -180,7 +181,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
-    parser.add_argument("--targets", nargs="+", choices=("h100", "tpu-v5p"), default=["h100", "tpu-v5p"])
+    parser.add_argument("--targets", nargs="+", choices=DEVICELESS_TARGETS, default=list(DEVICELESS_TARGETS))
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")

@@ -33,7 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 H100_CONFIG = os.path.join(os.path.dirname(__file__), "h100_sxm.txtpb")
 # XLA:GPU tunes GEMM algorithms on a device; without one, use its defaults and no Triton GEMMs.
 _GPU_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
-TARGETS = ("host", "h100", "tpu-v5p")
+DEVICELESS_TARGETS = ("h100", "tpu-v5p")  # compiled for without the device
+TARGETS = ("host", *DEVICELESS_TARGETS)
 
 
 @functools.cache
@@ -179,6 +180,25 @@ def _live_at_peak(dump_dir: str) -> tuple[LiveBuffer, ...]:
     return tuple(sorted((b for b in found if b.bytes), key=lambda b: -b.bytes))
 
 
+def compile_for(
+    fn: Callable[..., Any],
+    *args: Any,
+    target: str = "host",
+    devices: int = 1,
+    donate_argnums: int | tuple[int, ...] = (),
+    options: dict[str, Any] | None = None,
+) -> jax.stages.Compiled:
+    """``fn(*args)`` compiled for ``target`` (nothing runs), as ``compiled_memory`` compiles it;
+    ``options`` are extra XLA compile options. Read the program with ``.as_text()``."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
+    if target != "host":
+        args = _placed(args, target_mesh(target, devices))
+    options = (dict(_GPU_OPTIONS) if target == "h100" else {}) | (options or {})
+    return jitted.lower(*args).compile(options or None)
+
+
 def compiled_memory(
     fn: Callable[..., Any],
     *args: Any,
@@ -201,16 +221,9 @@ def compiled_memory(
       breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
         directory).
     """
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
-    if target != "host":
-        args = _placed(args, target_mesh(target, devices))
-    options: dict[str, Any] = dict(_GPU_OPTIONS) if target == "h100" else {}
     with tempfile.TemporaryDirectory() as dump_dir:
-        if breakdown:
-            options["xla_dump_to"] = dump_dir
-        compiled = jitted.lower(*args).compile(options or None)
+        options = {"xla_dump_to": dump_dir} if breakdown else {}
+        compiled = compile_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums, options=options)
         live = _live_at_peak(dump_dir) if breakdown else ()
     memory = CompiledMemory.of(compiled)
     cost = compiled.cost_analysis() or {}

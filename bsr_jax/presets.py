@@ -28,9 +28,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from bsr_jax.compiled import DEVICELESS_TARGETS as TARGETS
 from bsr_jax.format import Pruning
-
-TARGETS = ("h100", "tpu-v5p")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,11 +8,10 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 
 import bsr_jax
 from benchmarks.compiled_memory import step_args
-from bsr_jax.compiled import target_mesh
+from bsr_jax.compiled import compile_for
 from train import models
 
 INT4 = bsr_jax.Pruning(0.0, block=16, storage_dtype="int4")
@@ -69,10 +68,7 @@ def test_int4_residuals_are_uint8_buffers_of_the_compiled_step(target):
     """XLA once fused quantize -> dequantize away and kept the f32 input: the packed blocks must be
     a buffer the backward reads (fc1's input, 8192 rows x 128 at 4 bits, flattened by barriers.Stored)."""
     step, args = _tiny_step(INT4, INT4)
-    mesh = target_mesh(target)
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())), args)
-    options = {"xla_gpu_autotune_level": 0} if target == "h100" else None
-    text = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile(options).as_text()
+    text = compile_for(step, *args, target=target, donate_argnums=(0, 1)).as_text()
     assert re.search(r"u8\[524288\]\{[^}]*\} parameter\(", text)
 
 
