@@ -25,6 +25,8 @@ def blocksparse_column_dot(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
     ``capacity * bm * bk``, the size of the kept values.
     """
     (mb, kb), (bm, bk) = bsr.grid, bsr.block
+    if bsr.is_full:  # every block: x itself (a whole quantized matrix is read in its platform's layout)
+        return jnp.einsum("mk,mk->k", bsr.to_dense(), dy, preferred_element_type=jnp.float32)
     dy4 = jnp.pad(dy, ((0, mb * bm - dy.shape[0]), (0, kb * bk - dy.shape[1]))).reshape(mb, bm, kb, bk)
     dy_blocks = dy4[bsr.row_ids, :, bsr.col_ids, :]  # (cap, bm, bk)
     partial = jnp.einsum("pab,pab->pb", bsr.values, dy_blocks, preferred_element_type=jnp.float32)
@@ -45,10 +47,10 @@ def _pruned_scale_fwd(x, scale, key, pruning):
 def _pruned_scale_bwd(pruning, residuals, dy):
     blocks, scale = residuals
     blocks, dy = barriers.when_needed(blocks, dy)
-    blocks = blocks.dequantized()
+    blocks = blocks if blocks.is_full else blocks.dequantized()
     dscale = blocksparse_column_dot(blocks, dy.reshape(-1, dy.shape[-1]))
     dx, dscale = barriers.together(dy * scale, dscale)
-    return dx.astype(blocks.values.dtype), dscale.astype(scale.dtype), None
+    return dx.astype(blocks.dense_dtype or blocks.values.dtype), dscale.astype(scale.dtype), None
 
 
 _pruned_scale.defvjp(_pruned_scale_fwd, _pruned_scale_bwd)

@@ -22,7 +22,9 @@ scales      (cap,) or None  float32        per-block scale of int8 / int4 / floa
 ``dense_dtype`` (static) remembers x's dtype and ``dequantized()`` restores it.
 [2] ``None`` when every block is kept (``is_full``): the blocks are then all ``Mb * Kb`` blocks in
 block-column-major order, so no indices are stored. This is how ``sparsity=0`` with a
-``storage_dtype`` keeps a whole activation in low precision.
+``storage_dtype`` keeps a whole activation in low precision; its values then keep the shapes and
+scales above in a layout that follows the platform (blocks on CPU, x's rows elsewhere:
+``bsr_jax.quantize``), read with ``to_dense`` or ``dequantized``.
 
 Only these are stored, because they are what the backward pass keeps alive. ``block_rows`` is
 int16 whenever ``Mb`` fits (at block 4 an int32 row and column id per block would add 12.5% to
@@ -53,6 +55,7 @@ from bsr_jax.quantize import (  # noqa: F401
     StorageDtype,
     check_storage_dtype,
     dequantize_blocks,
+    dequantize_matrix,
     quantize_blocks,
     quantize_matrix,
 )
@@ -126,20 +129,29 @@ class BlockSparse:
 
     def dequantized(self) -> BlockSparse:
         """The same blocks as ``(cap, bm, bk)`` values in the original input dtype and no scales
-        (a no-op when ``from_dense`` stored them at full precision)."""
+        (a no-op when ``from_dense`` stored them at full precision). A whole quantized matrix
+        (``is_full``) is read through ``to_dense``, its stored layout following the platform
+        (``bsr_jax.quantize``); prefer ``to_dense`` there: cutting it into blocks costs a copy."""
         if self.storage_dtype is None:
             return self
-        values = dequantize_blocks(self.values, self.scales, self.storage_dtype, self.block, self.dense_dtype)
+        (mb, kb), (bm, bk) = self.grid, self.block
+        if self.is_full:
+            values = self.to_dense(padded=True).reshape(mb, bm, kb, bk).transpose(2, 0, 1, 3).reshape(-1, bm, bk)
+        else:
+            values = dequantize_blocks(self.values, self.scales, self.storage_dtype, self.block, self.dense_dtype)
         return dataclasses.replace(self, values=values, scales=None, storage_dtype=None)
 
     def to_dense(self, padded: bool = False) -> jax.Array:
         """The ``(M, K)`` matrix (``padded_shape`` if ``padded``) with pruned blocks as zeros, in the
         input's dtype (dequantized if stored in lower precision)."""
         (mb, kb), (bm, bk) = self.grid, self.block
-        values = self.dequantized().values
         if self.is_full:
-            dense = values.reshape(kb, mb, bm, bk).transpose(1, 2, 0, 3).reshape(mb * bm, kb * bk)
+            if self.storage_dtype is None:
+                dense = self.values.reshape(kb, mb, bm, bk).transpose(1, 2, 0, 3).reshape(mb * bm, kb * bk)
+            else:
+                dense = dequantize_matrix(self.values, self.scales, self.storage_dtype, self.block, self.grid, self.dense_dtype)
             return dense if padded else dense[: self.shape[0], : self.shape[1]]
+        values = self.dequantized().values
         # Gather every block from values plus one appended zero block (slot `capacity`) instead of
         # scattering the kept blocks into zeros: 1.5-2x faster on XLA:CPU for an (8192, 1536) x.
         slots = jnp.full((mb, kb), self.capacity, jnp.int32)

@@ -13,7 +13,7 @@ import pytest
 
 import bsr_jax
 from bsr_jax.format import Pruning, from_dense
-from bsr_jax.quantize import dequantize_blocks, quantize_blocks
+from bsr_jax.quantize import dequantize_blocks, dequantize_rows, quantize_blocks, quantize_rows
 
 
 def _normal(shape, seed=0):
@@ -146,3 +146,69 @@ def test_dense_forward_is_bitwise_nn_dense_with_storage():
     got, vjp = jax.vjp(lambda x: bsr_jax.Dense(24, sparsity=0.0, storage_dtype="int4").apply(params, x), x)
     chex.assert_trees_all_equal(got, want)
 
+
+
+def _blocks_reference(x, block, storage_dtype, key=None):
+    """The matrix the blocks layout (what the CPU stores) gives back, from quantize_blocks."""
+    (m, k), (bm, bk) = x.shape, block
+    mb, kb = -(-m // bm), -(-k // bk)
+    xp = jnp.pad(x, ((0, mb * bm - m), (0, kb * bk - k)))
+    blocks = xp.reshape(mb, bm, kb, bk).transpose(2, 0, 1, 3).reshape(-1, bm, bk)
+    stored, scales = quantize_blocks(blocks, storage_dtype, key)
+    back = dequantize_blocks(stored, scales, storage_dtype, block, jnp.float32)
+    return stored, scales, back.reshape(kb, mb, bm, bk).transpose(1, 2, 0, 3).reshape(mb * bm, kb * bk)
+
+
+# (37, 50) in 16 x 16 (padded; int4 pairs rows i and i + 8 of a block-row); (9, 40) in 3 x 8
+# (odd rows: int4 pairs columns); (64, 256) in 1 x 128 (rows of one value stay 2-D).
+@pytest.mark.parametrize("shape,block", [((37, 50), (16, 16)), ((9, 40), (3, 8)), ((64, 256), (1, 128))])
+@pytest.mark.parametrize("storage_dtype", ["bfloat16", "float8_e4m3fn", "int8", "int4"])
+def test_rows_layout_holds_what_the_blocks_layout_holds(shape, block, storage_dtype):
+    """Off the CPU a whole matrix is stored in x's row order (quantize_rows): same shapes, same
+    scales bit for bit, and the same matrix read back as from the CPU's blocks."""
+    x = _normal(shape, 4).at[5, 7].set(0.0)
+    x = x.at[: block[0], : block[1]].set(0.0)  # an all-zero block: scale 1
+    stored, scales = quantize_rows(x, block, storage_dtype)
+    ref_stored, ref_scales, ref_back = _blocks_reference(x, block, storage_dtype)
+    assert stored.shape == ref_stored.shape and stored.dtype == ref_stored.dtype
+    chex.assert_trees_all_equal(scales, ref_scales)
+    grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    chex.assert_trees_all_equal(dequantize_rows(stored, scales, storage_dtype, block, grid, jnp.float32), ref_back)
+
+
+def test_rows_layout_keeps_nan_in_its_block_and_rounds_stochastically_within_one_step():
+    x = _normal((32, 32), 5).at[20, 5].set(jnp.nan)
+    stored, scales = quantize_rows(x, (16, 16), "int8")
+    back = dequantize_rows(stored, scales, "int8", (16, 16), (2, 2), jnp.float32)
+    assert bool(jnp.all(jnp.isnan(back[16:, :16]))) and not bool(jnp.any(jnp.isnan(back[:16])))
+    x = _normal((32, 32), 6)
+    stored, scales = quantize_rows(x, (16, 16), "int4", jax.random.key(0))
+    back = dequantize_rows(stored, scales, "int4", (16, 16), (2, 2), jnp.float32)
+    step = jnp.repeat(jnp.repeat(scales.reshape(2, 2).T, 16, 1), 16, 0)
+    assert bool(jnp.all(jnp.abs(back - x) <= step * (1 + 1e-6)))
+    assert not bool(jnp.all(back == _blocks_reference(x, (16, 16), "int4")[2]))  # not all rounded to nearest
+
+
+def test_rows_layout_names_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="even number of values per int4 block"):
+        quantize_rows(_normal((9, 9)), (3, 3), "int4")
+    with pytest.raises(ValueError, match="needs a storage_dtype"):
+        quantize_rows(_normal((8, 8)), (4, 4), None)
+
+
+@pytest.mark.parametrize("storage_dtype", ["int8", "int4"])
+def test_gradients_read_the_rows_layout_as_the_cpu_reads_blocks(storage_dtype, monkeypatch):
+    """What a TPU program chooses (rows layout, the xla backend), run here by taking every
+    platform choice's default, gives the CPU's gradients: Dense and scale/shift, sparsity 0."""
+    x, c = _normal((4, 24, 40)), _normal((4, 24, 40), 1)
+    pruning = Pruning(0.0, block=(8, 8), storage_dtype=storage_dtype)
+    w, scale = _normal((40, 40), 2) * 0.1, 1 + _normal((40,), 3) * 0.1
+
+    def loss(w, scale, x):
+        h = bsr_jax.bsr_scale_shift(x, scale, pruning=pruning)
+        return jnp.vdot(bsr_jax.bsr_linear(h, w, pruning=pruning), c)
+
+    on_cpu = jax.grad(loss, (0, 1, 2))(w, scale, x)
+    monkeypatch.setattr(bsr_jax.platforms, "by_lowering_platform", lambda probe, default, branches, *ops: default(*ops))
+    elsewhere = jax.grad(loss, (0, 1, 2))(w, scale, x)
+    chex.assert_trees_all_close(elsewhere, on_cpu, rtol=1e-5, atol=1e-5)
