@@ -154,3 +154,13 @@ def test_top_blocks_break_ties_like_top_k_and_report_the_next_score(selection, k
     np.testing.assert_array_equal(np.asarray(cols) * mb + np.asarray(rows), want)
     np.testing.assert_array_equal(threshold, next_score)
     np.testing.assert_array_equal(ptr, np.searchsorted(np.asarray(cols), np.arange(kb + 1)))
+
+
+def test_window_gather_for_tpu_keeps_the_same_blocks():
+    """from_dense lowered for a TPU gathers (bm, bk) windows of x itself (a 4-D view of x would be
+    copied padded 8x there); elsewhere the 4-D view's advanced indices: the same blocks, bit for bit."""
+    from bsr_jax.format import _gather_from_view, _gather_windows
+
+    xp = jax.random.normal(jax.random.key(0), (48, 40))
+    rows, cols = jnp.array([0, 2, 1, 1, 2], jnp.int16), jnp.array([0, 0, 3, 4, 4])
+    chex.assert_trees_all_equal(_gather_windows(xp, rows, cols, block=(16, 8)), _gather_from_view(xp, rows, cols, block=(16, 8)))
