@@ -160,8 +160,8 @@ def _blocks_reference(x, block, storage_dtype, key=None):
 
 
 # (37, 50) in 16 x 16 (padded; int4 pairs rows i and i + 8 of a block-row); (9, 40) in 3 x 8
-# (odd rows: int4 pairs columns); (64, 256) in 1 x 128 (rows of one value stay 2-D).
-@pytest.mark.parametrize("shape,block", [((37, 50), (16, 16)), ((9, 40), (3, 8)), ((64, 256), (1, 128))])
+# (odd rows: int4 pairs columns); (64, 100) in 1 x 20 (rows of one value stay 2-D).
+@pytest.mark.parametrize("shape,block", [((37, 50), (16, 16)), ((9, 40), (3, 8)), ((64, 100), (1, 20))])
 @pytest.mark.parametrize("storage_dtype", ["bfloat16", "float8_e4m3fn", "int8", "int4"])
 def test_rows_layout_holds_what_the_blocks_layout_holds(shape, block, storage_dtype):
     """Off the CPU a whole matrix is stored in x's row order (quantize_rows): same shapes, same
@@ -194,6 +194,8 @@ def test_rows_layout_names_what_it_cannot_hold():
         quantize_rows(_normal((9, 9)), (3, 3), "int4")
     with pytest.raises(ValueError, match="needs a storage_dtype"):
         quantize_rows(_normal((8, 8)), (4, 4), None)
+    with pytest.raises(ValueError, match="wider ones are stored as blocks"):
+        quantize_rows(_normal((8, 256)), (1, 128), "int4")
 
 
 @pytest.mark.parametrize("storage_dtype", ["int8", "int4"])
