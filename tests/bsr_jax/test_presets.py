@@ -46,7 +46,7 @@ def test_recommended_is_the_most_accurate_setting_within_the_budget(target):
         assert match and match[0].gap_points == best
     # A larger budget never recommends a less accurate setting.
     gap = {m.pruning: m.gap_points for m in presets.MEASURED}
-    budgets = sorted(m.peak_ratio[target] for m in presets.MEASURED if m.peak_ratio[target] <= 1)  # TPU int8: 1.20
+    budgets = sorted(m.peak_ratio[target] for m in presets.MEASURED if m.peak_ratio[target] <= 1)
     gaps = [gap[presets.recommended(b, target)] for b in budgets]
     assert gaps == sorted(gaps, reverse=True)
     assert isinstance(presets.recommended(), Pruning)
