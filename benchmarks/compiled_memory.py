@@ -16,7 +16,7 @@ parameter-gradient residual in int4, the recommended setting); ``lean`` (compres
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
 (per block, ``dots_with_no_batch_dims_saveable``); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
-values of a row, which XLA:TPU stores without padding); the settings of ``presets.MEASURED``
+values of a row, lane-dense as blocks on TPU); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
 average-pooled 2x2, the conv paper's method).
 """
@@ -52,7 +52,7 @@ SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "pool
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
-# The same storage with one scale per 128 values of a row: lane-dense on TPU (docs/memory.md).
+# The same storage with one scale per 128 values of a row: lane-dense as blocks on TPU (docs/memory.md).
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
 # presets.recommended's measured settings (every residual under one Pruning), peaks read back by
 # presets.MEASURED: named as in the accuracy study.
