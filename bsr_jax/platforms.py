@@ -23,3 +23,13 @@ def by_lowering_platform(probe: jax.Array, default: Callable[..., Any], branches
         host = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())  # jax calls CUDA/ROCm "gpu"
         return branches.get(host, default)(*operands)
     return jax.lax.platform_dependent(*operands, default=default, **branches)
+
+
+# XLA:TPU tiles an array's two minor dimensions to (8, 128): an array 16 values wide takes 8x its
+# bytes. Blocks whose rows are whole 128-lane tiles are laid out without padding as they are.
+TPU_LANES = 128
+
+
+def tpu_lane_dense(block: tuple[int, int]) -> bool:
+    """Whether ``(bm, bk)`` blocks are a whole number of XLA:TPU lane tiles wide."""
+    return block[1] % TPU_LANES == 0

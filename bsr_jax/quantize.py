@@ -125,7 +125,7 @@ def _rows_fit(block: tuple[int, int], storage_dtype: StorageDtype | None) -> boo
     # already: they stay blocks everywhere (rows measured 0.91x of dense's ViT-B TPU peak for
     # 1 x 128 int4, blocks 0.83x). The rows layout must hold exactly the bytes of the blocks
     # layout: int4 blocks of an odd number of values pad each block to whole bytes, so those too.
-    if storage_dtype is None or block[1] % 128 == 0:
+    if storage_dtype is None or platforms.tpu_lane_dense(block):
         return False
     return storage_dtype != "int4" or block[0] * block[1] % 2 == 0
 
