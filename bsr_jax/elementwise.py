@@ -22,11 +22,13 @@ def blocksparse_column_dot(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
     """``sum_rows(x * dy)`` over the kept blocks of x: ``(K,)`` float32 from ``dy (M, K)``.
 
     Gathers the ``(bm, bk)`` tile of dy under each kept block, so work and temporaries are
-    ``capacity * bm * bk``, the size of the kept values.
+    ``capacity * bm * bk``, the size of the kept values; every block kept, x itself (``to_dense``).
+    Blocks stored in low precision are dequantized here.
     """
     (mb, kb), (bm, bk) = bsr.grid, bsr.block
     if bsr.is_full:  # every block: x itself (a whole quantized matrix is read in its platform's layout)
         return jnp.einsum("mk,mk->k", bsr.to_dense(), dy, preferred_element_type=jnp.float32)
+    bsr = bsr.dequantized()
     dy4 = jnp.pad(dy, ((0, mb * bm - dy.shape[0]), (0, kb * bk - dy.shape[1]))).reshape(mb, bm, kb, bk)
     dy_blocks = dy4[bsr.row_ids, :, bsr.col_ids, :]  # (cap, bm, bk)
     partial = jnp.einsum("pab,pab->pb", bsr.values, dy_blocks, preferred_element_type=jnp.float32)
@@ -47,7 +49,6 @@ def _pruned_scale_fwd(x, scale, key, pruning):
 def _pruned_scale_bwd(pruning, residuals, dy):
     blocks, scale = residuals
     blocks, dy = barriers.when_needed(blocks, dy)
-    blocks = blocks if blocks.is_full else blocks.dequantized()
     dscale = blocksparse_column_dot(blocks, dy.reshape(-1, dy.shape[-1]))
     dx, dscale = barriers.together(dy * scale, dscale)
     return dx.astype(blocks.dense_dtype or blocks.values.dtype), dscale.astype(scale.dtype), None

@@ -58,8 +58,10 @@ from bsr_jax.quantize import (  # noqa: F401
     check_storage_dtype,
     dequantize_blocks,
     dequantize_matrix,
+    pad_to_blocks,
     quantize_blocks,
     quantize_matrix,
+    to_blocks,
 )
 
 Criterion = Literal["l2", "l1"]
@@ -136,9 +138,8 @@ class BlockSparse:
         (``bsr_jax.quantize``); prefer ``to_dense`` there: cutting it into blocks costs a copy."""
         if self.storage_dtype is None:
             return self
-        (mb, kb), (bm, bk) = self.grid, self.block
         if self.is_full:
-            values = self.to_dense(padded=True).reshape(mb, bm, kb, bk).transpose(2, 0, 1, 3).reshape(-1, bm, bk)
+            values = to_blocks(self.to_dense(padded=True), self.block)
         else:
             values = dequantize_blocks(self.values, self.scales, self.storage_dtype, self.block, self.dense_dtype)
         return dataclasses.replace(self, values=values, scales=None, storage_dtype=None)
@@ -146,20 +147,17 @@ class BlockSparse:
     def to_dense(self, padded: bool = False) -> jax.Array:
         """The ``(M, K)`` matrix (``padded_shape`` if ``padded``) with pruned blocks as zeros, in the
         input's dtype (dequantized if stored in lower precision)."""
-        (mb, kb), (bm, bk) = self.grid, self.block
         if self.is_full:
-            if self.storage_dtype is None:
-                dense = self.values.reshape(kb, mb, bm, bk).transpose(1, 2, 0, 3).reshape(mb * bm, kb * bk)
-            else:
-                dense = dequantize_matrix(self.values, self.scales, self.storage_dtype, self.block, self.grid, self.dense_dtype)
-            return dense if padded else dense[: self.shape[0], : self.shape[1]]
-        values = self.dequantized().values
-        # Each kept block scattered as a (bm, bk) window of the (Mp, Kp) matrix: no (Mb, Kb, bm, bk)
-        # array, which XLA:TPU pads 8x for 16 x 16 blocks (ResMLP-S12 top-k step on TPU v5p:
-        # 1.15x -> 0.99x of dense's compiled peak, with the window gather in from_dense); on XLA:CPU
-        # 17.5 ms for an (8192, 1536) x at 30% kept, where gathering every block was 24 ms.
-        dense = lax.scatter(jnp.zeros((mb * bm, kb * bk), values.dtype), _block_starts(self.row_ids, self.col_ids, self.block),
-                            values, _BLOCK_SCATTER, indices_are_sorted=False, unique_indices=True)
+            dtype = self.dense_dtype or self.values.dtype
+            dense = dequantize_matrix(self.values, self.scales, self.storage_dtype, self.block, self.grid, dtype)
+        else:
+            values = self.dequantized().values
+            # Each kept block scattered as a (bm, bk) window of the (Mp, Kp) matrix: no (Mb, Kb, bm, bk)
+            # array, which XLA:TPU pads 8x for 16 x 16 blocks (ResMLP-S12 top-k step on TPU v5p:
+            # 1.15x -> 0.99x of dense's compiled peak, with the window gather in from_dense); on
+            # XLA:CPU 17.5 ms for an (8192, 1536) x at 30% kept, where gathering every block was 24 ms.
+            dense = lax.scatter(jnp.zeros(self.padded_shape, values.dtype), _block_starts(self.row_ids, self.col_ids, self.block),
+                                values, _BLOCK_SCATTER, indices_are_sorted=False, unique_indices=True)
         return dense if padded else dense[: self.shape[0], : self.shape[1]]
 
 
@@ -237,11 +235,6 @@ def block_magnitudes(x: jax.Array, block: tuple[int, int], criterion: Criterion 
     # bf16 inputs stay near 40 ms either way.
     mags = lax.reduce_window(elementwise, 0.0, lax.add, block, block).T
     return jnp.where(jnp.isnan(mags), jnp.inf, mags)
-
-
-def pad_to_blocks(x: jax.Array, block: tuple[int, int]) -> jax.Array:
-    (mb, kb), (bm, bk) = block_grid(x.shape, block), block
-    return jnp.pad(x, ((0, mb * bm - x.shape[0]), (0, kb * bk - x.shape[1])))
 
 
 @dataclasses.dataclass(frozen=True)

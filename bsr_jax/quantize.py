@@ -130,9 +130,23 @@ def _rows_fit(block: tuple[int, int], storage_dtype: StorageDtype | None) -> boo
     return storage_dtype != "int4" or block[0] * block[1] % 2 == 0
 
 
-def _padded(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+def pad_to_blocks(x: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """``x (M, K)`` zero-padded to whole ``(bm, bk)`` blocks: ``(Mb * bm, Kb * bk)``."""
     (m, k), (bm, bk) = x.shape, block
     return jnp.pad(x, ((0, -m % bm), (0, -k % bk)))
+
+
+def to_blocks(xp: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """A padded ``(Mb * bm, Kb * bk)`` matrix as ``(Kb * Mb, bm, bk)`` blocks in block-column-major
+    order (block ``(i, j)`` at ``j * Mb + i``)."""
+    (bm, bk), (mp, kp) = block, xp.shape
+    return xp.reshape(mp // bm, bm, kp // bk, bk).transpose(2, 0, 1, 3).reshape(-1, bm, bk)
+
+
+def from_blocks(values: jax.Array, grid: tuple[int, int]) -> jax.Array:
+    """Inverse of ``to_blocks``: ``(Kb * Mb, bm, bk)`` blocks -> the ``(Mb * bm, Kb * bk)`` matrix."""
+    (mb, kb), (bm, bk) = grid, values.shape[1:]
+    return values.reshape(kb, mb, bm, bk).transpose(1, 2, 0, 3).reshape(mb * bm, kb * bk)
 
 
 def _block_rows(v: jax.Array, bm: int) -> jax.Array:
@@ -169,7 +183,7 @@ def quantize_rows(
             "the rows layout needs a storage_dtype, blocks narrower than 128 values (wider ones are stored as blocks) and an even "
             f"number of values per int4 block; got {storage_dtype!r} in {block}"
         )
-    xp = _padded(x, block)
+    xp = pad_to_blocks(x, block)
     (mp, kp), (bm, bk) = xp.shape, block
     n = (mp // bm) * (kp // bk)
     if storage_dtype == "bfloat16":
@@ -224,11 +238,9 @@ def quantize_matrix(
     ``cpu_kernels.quantize_blocks``: one pass over x, which XLA cannot fuse into x's producer (XLA:CPU
     recomputed ResMLP's GELU in both the scale reduction and the int4 packing, whose loop then took
     longer than the layer's matmul)."""
-    (m, k), (bm, bk) = x.shape, block
-    mb, kb = -(-m // bm), -(-k // bk)
 
     def in_blocks(x):
-        return quantize_blocks(_padded(x, block).reshape(mb, bm, kb, bk).transpose(2, 0, 1, 3).reshape(kb * mb, bm, bk), storage_dtype, key)
+        return quantize_blocks(to_blocks(pad_to_blocks(x, block), block), storage_dtype, key)
 
     cpu = in_blocks
     if key is None and storage_dtype in cpu_kernels.QUANTIZE_BITS and x.dtype in (jnp.float32, jnp.bfloat16):
@@ -241,12 +253,10 @@ def dequantize_matrix(
     stored: jax.Array, scales: jax.Array | None, storage_dtype: StorageDtype | None, block: tuple[int, int], grid: tuple[int, int], dtype
 ) -> jax.Array:
     """The padded ``(Mb * bm, Kb * bk)`` matrix in ``dtype`` from what ``quantize_matrix`` stored,
-    read in the layout of the platform lowered for."""
-    (mb, kb), (bm, bk) = grid, block
+    read in the layout of the platform lowered for (``storage_dtype=None``: blocks kept as they are)."""
 
     def in_blocks(stored, scales):
-        values = dequantize_blocks(stored, scales, storage_dtype, block, dtype)
-        return values.reshape(kb, mb, bm, bk).transpose(1, 2, 0, 3).reshape(mb * bm, kb * bk)
+        return from_blocks(dequantize_blocks(stored, scales, storage_dtype, block, dtype), grid)
 
     if not _rows_fit(block, storage_dtype):
         return in_blocks(stored, scales)
