@@ -37,6 +37,9 @@ PRUNING = bsr_jax.Pruning(0.7, block=4)
 B, T, K, N = 8, 4, 16, 12  # 4 row shards of 2 x 4 = 8 rows: 2 block-rows each
 
 
+BIAS = np.linspace(-1, 1, N).astype(np.float32)
+
+
 def inputs():
     rng = np.random.default_rng(0)
     # Heavy-tailed blocks so the per-shard ranking is not decided by rounding.
@@ -45,18 +48,19 @@ def inputs():
 
 
 def reference_grads(x, w, dy, shards: int):
-    """dW as the sum over row shards of kept_input(shard).T @ dy(shard), in float64."""
+    """dW as the sum over row shards of kept_input(shard).T @ dy(shard), in float64; y with BIAS
+    and the bias gradient (exact)."""
     xs, dys = np.split(x.reshape(B * T, K), shards), np.split(dy.reshape(B * T, N), shards)
     dw = sum(reference.kept_input(xs_, PRUNING.sparsity, PRUNING.block).T @ dy_ for xs_, dy_ in zip(xs, dys))
-    return x @ w, dy @ w.T.astype(np.float64), dw
+    return x @ w + BIAS, dy @ w.T.astype(np.float64), dw, dy.astype(np.float64).sum((0, 1))
 
 
 def grads(x, w, dy):
-    def f(x, w):
-        return bsr_jax.bsr_linear(x, w, pruning=PRUNING)
+    def f(x, w, b):
+        return bsr_jax.bsr_linear(x, w, b, pruning=PRUNING)
 
-    def run(x, w, dy):
-        y, vjp = jax.vjp(f, x, w)
+    def run(x, w, b, dy):
+        y, vjp = jax.vjp(f, x, w, b)
         return (y, *vjp(dy))
 
     return jax.jit(run), run
@@ -65,12 +69,13 @@ def grads(x, w, dy):
 def check_linear(mesh, x_spec, w_spec, shards, declare=False, dy_spec=None):
     x, w, dy = inputs()
     place = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    args = (place(x, x_spec), place(w, w_spec), place(dy, x_spec if dy_spec is None else dy_spec))
+    b_spec = P(*tuple(w_spec)[1:2])  # the kernel's output split
+    args = (place(x, x_spec), place(w, w_spec), place(BIAS, b_spec), place(dy, x_spec if dy_spec is None else dy_spec))
     step, _ = grads(x, w, dy)
     with sharding.batch_axes("data") if declare else contextlib.nullcontext():
-        y, dx, dw = step(*args)
+        y, dx, dw, db = step(*args)
         hlo = step.lower(*args).compile().as_text()
-    chex.assert_trees_all_close((np.asarray(y), np.asarray(dx), np.asarray(dw)), reference_grads(x, w, dy, shards), **TOL)
+    chex.assert_trees_all_close(tuple(np.asarray(a) for a in (y, dx, dw, db)), reference_grads(x, w, dy, shards), **TOL)
     # Under Auto axes XLA may re-place the result; Explicit types keep it as the parameter's.
     if mesh.axis_types[0] == AxisType.Explicit:
         assert dw.sharding.spec == w_spec or (w_spec == P() and dw.sharding.is_fully_replicated), (dw.sharding, w_spec)
@@ -140,7 +145,7 @@ def main() -> int:
     for context, message in ((contextlib.nullcontext(), "batch_axes"), (sharding.batch_axes("data"), "set_mesh")):
         try:
             with context:
-                grads(x, w, dy)[0](jax.device_put(x, NamedSharding(auto_grid, P("data"))), jax.device_put(w, NamedSharding(auto_grid, P())), dy)
+                grads(x, w, dy)[0](jax.device_put(x, NamedSharding(auto_grid, P("data"))), jax.device_put(w, NamedSharding(auto_grid, P())), BIAS, dy)
             raise AssertionError(f"several Auto axes without {message} must raise")
         except ValueError as e:
             assert message in str(e), e
@@ -190,7 +195,7 @@ def main() -> int:
     class QKV(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return tuple(nn.Dense(N, use_bias=False, name=name)(x) for name in "qkv")
+            return tuple(nn.Dense(N, bias_init=lambda *_: jnp.asarray(BIAS), name=name)(x) for name in "qkv")
 
     model = bsr_jax.compress_model(QKV(), [bsr_jax.Rule("*", PRUNING)], lean=False)
     params = model.init(jax.random.key(0), x)
@@ -201,8 +206,8 @@ def main() -> int:
     kernels = [np.asarray(params["params"][name]["kernel"]) for name in "qkv"]
     expected = [reference_grads(x, w_, d, 4) for w_, d in zip(kernels, dys)]
     chex.assert_trees_all_close(
-        (tuple(np.asarray(y) for y in ys), np.asarray(dx), [np.asarray(dparams["params"][name]["kernel"]) for name in "qkv"]),
-        (tuple(e[0] for e in expected), sum(e[1] for e in expected), [e[2] for e in expected]), **TOL,
+        (tuple(np.asarray(y) for y in ys), np.asarray(dx), [tuple(np.asarray(a) for a in dparams["params"][name].values()) for name in "qkv"]),
+        (tuple(e[0] for e in expected), sum(e[1] for e in expected), [(e[3], e[2]) for e in expected]), **TOL,
     )
     assert not gathered_shapes(run.lower(*args).compile().as_text())
 
@@ -218,16 +223,19 @@ def main() -> int:
     # 7. Nothing to prune (sparsity 0) on Explicit axes with the contracted axis split on both sides
     # (a row-parallel layer): the exact product, where a plain dot_general (nn.Dense) would raise.
     x, w, dy = inputs()
-    row_parallel = (place_on(grid, x, P("data", None, "model")), place_on(grid, w, P("model")), place_on(grid, dy, P("data")))
+    row_parallel = (place_on(grid, x, P("data", None, "model")), place_on(grid, w, P("model")), place_on(grid, BIAS, P()), place_on(grid, dy, P("data")))
 
-    def dense_vjp(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=bsr_jax.Pruning(0.0)), x, w)
+    def dense_vjp(x, w, b, dy):
+        y, vjp = jax.vjp(lambda x, w, b: bsr_jax.bsr_linear(x, w, b, pruning=bsr_jax.Pruning(0.0)), x, w, b)
         return (y, *vjp(dy))
 
-    y, dx, dw = jax.jit(dense_vjp)(*row_parallel)
     x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
-    expected = (x64 @ w64, dy64 @ w64.T, x64.reshape(-1, K).T @ dy64.reshape(-1, N))
-    chex.assert_trees_all_close((np.asarray(y), np.asarray(dx), np.asarray(dw)), expected, **TOL)
+    expected = (x64 @ w64 + BIAS, dy64 @ w64.T, x64.reshape(-1, K).T @ dy64.reshape(-1, N), dy64.sum((0, 1)))
+    chex.assert_trees_all_close(tuple(np.asarray(a) for a in jax.jit(dense_vjp)(*row_parallel)), expected, **TOL)
+    # The same layer pruned: the bias gradient, computed inside the op on each device, is not
+    # counted once per shard of the contracted axis.
+    y, dx, dw, db = jax.jit(grads(x, w, dy)[1])(*row_parallel)
+    chex.assert_trees_all_close((np.asarray(y), np.asarray(dx), np.asarray(db)), (expected[0], expected[1], expected[3]), **TOL)
     check_conv(data4, auto4, grid, auto_grid)
     print("4 devices: sharding checks passed")
     return 0
