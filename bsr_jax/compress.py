@@ -50,7 +50,7 @@ from bsr_jax import sharding
 from bsr_jax.conv import Conv, channels_last_dimension_numbers, compressed_conv
 from bsr_jax.format import BlockSparse, Pruning
 from bsr_jax.layers import PrunedModule
-from bsr_jax.linear import add_bias, is_linear_dims, merge_contracted, pruned_dot_general
+from bsr_jax.linear import is_linear_dims, merge_contracted, pruned_dot_general
 from bsr_jax.rules import NO_MATCH, Rule
 
 ROUTED_LINEN = (nn.Dense, nn.DenseGeneral)
@@ -86,21 +86,12 @@ class _SharedBlocks:
         return entry[1]
 
 
-def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None, path: str, source: Any = None,
-                             bias_of: nn.Dense | None = None):  # fmt: skip
-    """A ``dot_general`` stand-in for one layer call. With ``bias_of`` (an ``nn.Dense`` called with
-    ``use_bias`` off), it reads and promotes the module's bias as flax would and adds it itself,
-    its gradient computed with dx (``pruned_dot_general``'s ``bias``)."""
-
+def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None, path: str, source: Any = None):
     def dot_general(x, w, dims, precision=None, **kwargs):
-        bias = None
-        if bias_of is not None:
-            bias = bias_of.param("bias", bias_of.bias_init, (bias_of.features,), bias_of.param_dtype)
-            bias = bias_of.promote_dtype(x, w, bias, dtype=bias_of.dtype)[2]
         # preferred_element_type / out_sharding change the product itself: left to lax (dense).
         if not is_linear_dims(dims, x.ndim) or any(v is not None for v in kwargs.values()):
             rules_lib.report_dense(path, f"dot_general {dims} {kwargs} is not a plain linear map")
-            return add_bias(jax.lax.dot_general(x, w, dims, precision=precision, **kwargs), bias)
+            return jax.lax.dot_general(x, w, dims, precision=precision, **kwargs)
         x2 = merge_contracted(x, len(dims[0][0]))
         rules_lib.record(path, pruning, x2)
         blocks = None
@@ -108,7 +99,7 @@ def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None
         # layer without one keeps its own (which raises if it is differentiated).
         if shared is not None and source is not None and len(dims[0][0]) == 1 and pruning.saves_memory(x2) and (key is not None or not pruning.needs_key):
             blocks = shared.blocks(source, x, pruning, key)
-        return pruned_dot_general(x, w, dims, pruning=pruning, key=key, blocks=blocks, precision=precision, bias=bias)
+        return pruned_dot_general(x, w, dims, pruning=pruning, key=key, blocks=blocks, precision=precision)
 
     return dot_general
 
@@ -139,17 +130,14 @@ def _compressing_conv(compression: rules_lib.Compression, key: jax.Array | None,
     return conv_general_dilated
 
 
-def _replaced(module: nn.Module, call, **attributes: Any):
-    """``call()`` with the module's ``attributes`` (its product hook) set: the module keeps
-    computing its own parameters; only the product it calls is replaced."""
-    saved = {name: getattr(module, name) for name in attributes}
-    for name, value in attributes.items():
-        object.__setattr__(module, name, value)
+def _replaced(module: nn.Module, attribute: str, value: Any, call):
+    """``call()`` with the module's ``attribute`` (its product hook) set to ``value``: the module
+    keeps computing its own parameters; only the product it calls is replaced."""
+    object.__setattr__(module, attribute, value)
     try:
         return call()
     finally:
-        for name, value in saved.items():
-            object.__setattr__(module, name, value)
+        object.__setattr__(module, attribute, None)
 
 
 def _route_linen(shared: _SharedBlocks):
@@ -177,15 +165,12 @@ def _route_linen(shared: _SharedBlocks):
             if module.conv_general_dilated is not None or module.conv_general_dilated_cls is not None:
                 rules_lib.report_dense(path, "the module has its own conv_general_dilated")
                 return call()
-            return _replaced(module, call, conv_general_dilated=_compressing_conv(compression, key, path))
+            return _replaced(module, "conv_general_dilated", _compressing_conv(compression, key, path), call)
         if module.dot_general is not None or module.dot_general_cls is not None or getattr(module, "batch_dims", ()):
             rules_lib.report_dense(path, "the module has its own dot_general or batch dims")
             return call()
-        # nn.Dense's bias is added by the stand-in (flax's own bias add leaves its gradient to
-        # autodiff, which XLA:TPU schedules at the end of the backward, keeping every dy alive).
-        bias_of = module if isinstance(module, nn.Dense) and module.use_bias else None
-        dot_general = _compressing_dot_general(compression, key, shared, path, source=args[0] if args else None, bias_of=bias_of)
-        return _replaced(module, call, dot_general=dot_general, **({"use_bias": False} if bias_of is not None else {}))
+        dot_general = _compressing_dot_general(compression, key, shared, path, source=args[0] if args else None)
+        return _replaced(module, "dot_general", dot_general, call)
 
     return interceptor
 

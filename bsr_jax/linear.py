@@ -25,7 +25,6 @@ class _Config:
     precision: lax.PrecisionLike
     dims: Dims  # x's trailing axes contracted with w's leading axes, in order; no batch axes
     x_shape: tuple[int, ...]
-    bias_dtype: Any = None  # the dtype of a bias whose gradient the op computes; None: no bias
 
 
 def linear_dims(x_ndim: int, contracted: int = 1) -> Dims:
@@ -55,93 +54,53 @@ def check_floating(name: str, a: jax.Array) -> None:
         raise ValueError(f"{name} must have a floating dtype, got {jnp.result_type(a)}")
 
 
-def _bias_gradient(dy: jax.Array, w: jax.Array, config: _Config) -> jax.Array | None:
-    # The reduction autodiff of ``y + bias`` runs (lax.reduce with add is reduce_sum), here so it
-    # runs with dx: left to autodiff outside the op, XLA:TPU ran every layer's at the end of the
-    # backward pass and kept every layer's dy alive until then (docs/memory.md).
-    if config.bias_dtype is None:
-        return None
-    rows = tuple(range(dy.ndim - (w.ndim - len(config.dims[0][1]))))
-    return lax.reduce(dy, jnp.zeros((), dy.dtype), lax.add, rows).astype(config.bias_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _pruned_dot(x: jax.Array, w: jax.Array, bias: jax.Array | None, key: jax.Array | None, config: _Config) -> jax.Array:
-    """``x @ w``; ``bias`` only receives its gradient here (the caller adds it)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pruned_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Config) -> jax.Array:
     return _dot(x, w, config)
 
 
-def _pruned_dot_fwd(x, w, bias, key, config):
+def _pruned_dot_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
     x2 = merge_contracted(x, len(config.dims[0][0]))
     y, blocks = barriers.materialize(_dot(x, w, config), config.pruning.compress(x2, key))
     return y, (blocks, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _dot_with_blocks(x: jax.Array, w: jax.Array, bias: jax.Array | None, blocks: BlockSparse, config: _Config) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dot_with_blocks(x: jax.Array, w: jax.Array, blocks: BlockSparse, config: _Config) -> jax.Array:
     """The same product, with x's compressed blocks computed by the caller (shared between the
     layers that read one x: each keeps the same arrays, so they are held once)."""
     return _dot(x, w, config)
 
 
-def _dot_with_blocks_fwd(x, w, bias, blocks, config):
+def _dot_with_blocks_fwd(x, w, blocks, config):
     return _dot(x, w, config), (blocks, w)
-
-
-def _dx(dy, w, config):
-    # dy contracted with w's output axes, as autodiff of the dense product does (and, unlike a
-    # transpose of a fresh function, it varies over the same mesh axes as dy).
-    out_axes = w.ndim - len(config.dims[0][1])
-    dims = ((tuple(range(dy.ndim - out_axes, dy.ndim)), tuple(range(w.ndim - out_axes, w.ndim))), ((), ()))
-    return lax.dot_general(dy, w, dims, precision=config.precision)
 
 
 def _pruned_dot_bwd(config, residuals, dy):
     blocks, w = residuals
     # The backend reads the stored blocks as they are (the cpu kernel decodes int8/int4 itself).
     blocks, dy = barriers.when_needed(blocks, dy)
-    dx = _dx(dy, w, config)
+    # dx needs w only: dy contracted with w's output axes, as autodiff of the dense product does
+    # (and, unlike a transpose of a fresh function, it varies over the same mesh axes as dy).
+    out_axes = w.ndim - len(config.dims[0][1])
+    dims = ((tuple(range(dy.ndim - out_axes, dy.ndim)), tuple(range(w.ndim - out_axes, w.ndim))), ((), ()))
+    dx = lax.dot_general(dy, w, dims, precision=config.precision)
     k = blocks.shape[1]
     dy2 = dy.reshape(-1, math.prod(w.shape) // k)
     dy2 = jnp.pad(dy2, ((0, blocks.padded_shape[0] - dy2.shape[0]), (0, 0)))
     dw = backends.dw_from_blocks(blocks, dy2, config.backend)[:k].reshape(w.shape)
-    dx, (dw, db) = barriers.together(dx, (dw, _bias_gradient(dy, w, config)))
-    return dx.astype(blocks.dense_dtype or blocks.values.dtype), dw.astype(w.dtype), db
+    dx, dw = barriers.together(dx, dw)
+    return dx.astype(blocks.dense_dtype or blocks.values.dtype), dw.astype(w.dtype)
 
 
 def _pruned_dot_vjp(config, residuals, dy):
-    # The fourth argument (a key, or blocks computed by the caller) gets no cotangent.
+    # The third argument (a key, or blocks computed by the caller) gets no cotangent.
     return (*_pruned_dot_bwd(config, residuals, dy), None)
 
 
 _pruned_dot.defvjp(_pruned_dot_fwd, _pruned_dot_vjp)
 _dot_with_blocks.defvjp(_dot_with_blocks_fwd, _pruned_dot_vjp)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dense_dot(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: _Config) -> jax.Array:
-    """``x @ w`` keeping x itself (nothing to prune on this shard), its bias gradient with dx."""
-    return _dot(x, w, config)
-
-
-def _dense_dot_fwd(x, w, bias, config):
-    return _dot(x, w, config), (x, w)
-
-
-def _dense_dot_bwd(config, residuals, dy):
-    x, w = residuals
-    _, vjp = jax.vjp(functools.partial(_dot, config=config), x, w)
-    (dx, dw), db = barriers.together(vjp(dy), _bias_gradient(dy, w, config))
-    return dx, dw, db
-
-
-_dense_dot.defvjp(_dense_dot_fwd, _dense_dot_bwd)
-
-
-def add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
-    # As flax's Dense adds it (``y += reshape(bias, (1,) * (y.ndim - 1) + (-1,))``): bit-identical.
-    return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
 
 
 def pruned_dot_general(
@@ -154,17 +113,13 @@ def pruned_dot_general(
     blocks: BlockSparse | None = None,
     backend: str | None = None,
     precision: lax.PrecisionLike = None,
-    bias: jax.Array | None = None,
 ) -> jax.Array:
-    """``lax.dot_general(x, w, dims) + bias`` for a plain linear map (``is_linear_dims``; x's trailing
+    """``lax.dot_general(x, w, dims)`` for a plain linear map (``is_linear_dims``; x's trailing
     axes against w's leading ones, e.g. ``nn.DenseGeneral``), with the residual of x compressed by
     ``pruning`` (x flattened to ``(M, K)``, w to ``(K, N)``) or given as ``blocks``
     (``pruning.compress`` of that flattened x, computed once by the caller and shared). Forward and
     dx exact; dW as in ``bsr_linear``. Where ``pruning`` would not save memory, it is the plain
-    product.
-
-    ``bias`` (optional, shaped as w's output axes) is added as flax's Dense adds it, and its
-    gradient (exact) is computed with dx and dW, so dy dies with them."""
+    product."""
     if not is_linear_dims(dims, x.ndim):
         raise ValueError(f"pruned_dot_general supports x's trailing axes against w's leading axes only, got {dims}")
     backend = backends.resolve_backend(backend)
@@ -172,8 +127,8 @@ def pruned_dot_general(
 
     def local(x, params, key, blocks):
         # Runs on each device's rows under a mesh (bsr_jax.sharding), so capacities follow the local shape.
-        w, bias = params if len(params) == 2 else (*params, None)
-        config = _Config(pruning, backend, precision, dims, tuple(x.shape), None if bias is None else bias.dtype)
+        (w,) = params
+        config = _Config(pruning, backend, precision, dims, tuple(x.shape))
         x2 = merge_contracted(x, contracted)
         if blocks is not None:
             if blocks.shape != (math.prod(x2.shape[:-1]), x2.shape[-1]):
@@ -181,24 +136,22 @@ def pruned_dot_general(
                     f"blocks hold a {blocks.shape} matrix but this device's x is {x2.shape}: under a mesh, "
                     "compress per shard of the rows with bsr_jax.sharding.compress_rows"
                 )
-            return _dot_with_blocks(x, w, bias, blocks, config)
+            return _dot_with_blocks(x, w, blocks, config)
         if not pruning.saves_memory(x2):
-            return _dot(x, w, config) if bias is None else _dense_dot(x, w, bias, config)
-        return _pruned_dot(x, w, bias, key, config)
+            return _dot(x, w, config)
+        return _pruned_dot(x, w, key, config)
 
     if blocks is None and not pruning.saves_memory(merge_contracted(x, contracted)) and not sharding.on_explicit_axes(x, w):
         # Nothing to prune (e.g. sparsity 0): the plain product, left to XLA's own partitioning
         # (on Explicit axes it goes through map_row_shards like the pruned op, which names the
         # output placement those types demand, e.g. for a row-parallel layer).
-        return add_bias(_dot(x, w, _Config(pruning, backend, precision, dims, tuple(x.shape))), bias)
+        return _dot(x, w, _Config(pruning, backend, precision, dims, tuple(x.shape)))
     rows = tuple(f"row{i}" for i in range(x.ndim - contracted))
     ks = tuple(f"k{i}" for i in range(contracted))
     outs = tuple(f"out{i}" for i in range(w.ndim - contracted))
-    params, labels = ([w], [ks + outs]) if bias is None else ([w, bias], [ks + outs, outs])
-    y = sharding.map_row_shards(local, x, params, x_labels=rows + ks, param_labels=labels, out_labels=rows + outs, key=key, row_stacked=blocks)
-    # Added outside the op (whose local products a row-parallel layer sums over devices); its
-    # gradient comes from the op.
-    return add_bias(y, None if bias is None else lax.stop_gradient(bias))
+    return sharding.map_row_shards(
+        local, x, [w], x_labels=rows + ks, param_labels=[ks + outs], out_labels=rows + outs, key=key, row_stacked=blocks
+    )
 
 
 def bsr_linear(
@@ -246,4 +199,7 @@ def bsr_linear(
         raise ValueError(f"expected x (..., K) and w (K, N), got x {jnp.shape(x)} and w {jnp.shape(w)}")
     if jnp.result_type(x) != jnp.result_type(w):
         raise ValueError(f"x and w must share a dtype, got {jnp.result_type(x)} and {jnp.result_type(w)}")
-    return pruned_dot_general(x, w, linear_dims(jnp.ndim(x)), pruning=pruning, key=key, backend=backend, precision=precision, bias=b)
+    y = pruned_dot_general(x, w, linear_dims(jnp.ndim(x)), pruning=pruning, key=key, backend=backend, precision=precision)
+    if b is not None:
+        y += jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
+    return y

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -112,23 +110,6 @@ def _vary(a: jax.Array, axes: set[str]) -> jax.Array:
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _counted_once(p: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``p``, whose cotangent (the same on every device of ``axes``) is kept on the first only."""
-    return p
-
-
-def _counted_once_fwd(p, axes):
-    return p, None
-
-
-def _counted_once_bwd(axes, _, ct):
-    return (jnp.where(lax.axis_index(axes) == 0, ct, jnp.zeros_like(ct)),)
-
-
-_counted_once.defvjp(_counted_once_fwd, _counted_once_bwd)
-
-
 def map_row_shards(
     fn: Callable[..., Any],
     x: jax.Array,
@@ -152,10 +133,7 @@ def map_row_shards(
       fn: ``(x_local, params_local, key_local, row_stacked_local) -> y_local``, the op on local
         arrays (it may be a ``custom_vjp``; the casts and sums around it carry the communication).
       x: the activation, any rank; its sharding decides the row and contracted axes.
-      params: parameters (kernel, scale, bias), re-placed as the labels require. One labelled by
-        output labels only (a bias, whose gradient ``fn`` computes but which the caller adds to
-        the global result) has its gradient counted once over the axes the outputs are summed
-        over (there every device sees the same dy).
+      params: parameters (kernel, scale), re-placed as the labels require.
       key: an optional PRNG key, replicated; each row shard folds in its index.
       row_stacked: an optional pytree made by a per-shard computation of the same rows (every
         leaf's axis 0 stacks the shards: ``compress_rows``' output).
@@ -214,8 +192,6 @@ def map_row_shards(
 
     def local(x, params, key, row_stacked):
         x, params = _vary(x, union), [_vary(p, union) for p in params]
-        if summed:
-            params = [_counted_once(p, summed) if set(labels) <= set(out_labels) else p for p, labels in zip(params, param_labels)]
         if key is not None and row_axes:
             key = jax.random.fold_in(key, lax.axis_index(row_axes))
         y = fn(x, params, key, row_stacked)

@@ -30,15 +30,3 @@ def assert_close_scaled(actual, expected, dtype) -> None:
 def bf16_exact_normal(key, shape, dtype=jnp.float32) -> jax.Array:
     """Normal samples rounded through bf16, so f32 and bf16 runs see identical values."""
     return jax.random.normal(key, shape).astype(jnp.bfloat16).astype(dtype)
-
-
-def barrier_outputs(jaxpr) -> list[set[tuple[int, ...]]]:
-    """The output shapes of each ``optimization_barrier`` in ``jaxpr`` (sub-jaxprs included)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "optimization_barrier":
-            found.append({tuple(v.aval.shape) for v in eqn.outvars})
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += barrier_outputs(sub)
-    return found
-
