@@ -121,10 +121,13 @@ class LiveBuffer:
 class CompiledStep:
     """A compiled function's memory plan and cost, in bytes, FLOPs and seconds.
 
-    ``peak`` is XLA's own peak of live bytes (arguments, outputs and temporaries as scheduled);
-    ``flops`` is None where the compiler reports none (XLA:GPU); ``optimal_seconds`` is XLA:TPU's
-    modelled step time (None elsewhere, and where its cost model cannot time the program); ``live_at_peak`` lists the buffers live at the peak, largest
-    first (empty unless asked for).
+    ``peak`` is XLA's own peak (arguments, outputs and temporaries as its heap places them: tile
+    padding and the gaps its packing leaves included); ``flops`` is None where the compiler reports
+    none (XLA:GPU); ``optimal_seconds`` is XLA:TPU's modelled step time (None elsewhere, and where
+    its cost model cannot time the program). With a breakdown: ``live_at_peak`` lists the buffers
+    live at the busiest point of the schedule, largest first, and ``live_peak`` is their sum, in
+    the arrays' own (unpadded) sizes; ``peak - live_peak`` is what tile padding and the heap's
+    packing add (large on XLA:TPU; docs/memory.md). Empty and None unless asked for.
     """
 
     target: str
@@ -136,6 +139,7 @@ class CompiledStep:
     flops: float | None
     optimal_seconds: float | None
     live_at_peak: tuple[LiveBuffer, ...] = ()
+    live_peak: int | None = None
 
     def by_module(self, depth: int = 2) -> dict[str, int]:
         """Live-at-peak bytes summed by the first ``depth`` components of each op's module path
@@ -168,8 +172,12 @@ def _placed(args: Any, mesh: Mesh) -> Any:
 _LIVE = re.compile(r"── (.+?) \([\d.]+%, total: [\d\s\u202f\xa0]+ bytes, current: ([\d\s\u202f\xa0]+) bytes")
 
 
-def _live_at_peak(dump_dir: str) -> tuple[LiveBuffer, ...]:
-    """The 'Stack trace breakdown for peak usage' of XLA's live-range dump of the largest module."""
+_LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d\s\u202f\xa0]+) bytes")
+
+
+def _live_at_peak(dump_dir: str) -> tuple[tuple[LiveBuffer, ...], int | None]:
+    """The 'Stack trace breakdown for peak usage' of XLA's live-range dump of the largest module,
+    and the total it names (None where the dump has no breakdown)."""
     dumps = glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt"))
     if not dumps:
         raise RuntimeError(f"XLA wrote no live-range dump in {dump_dir}: no breakdown for this target")
@@ -177,7 +185,9 @@ def _live_at_peak(dump_dir: str) -> tuple[LiveBuffer, ...]:
     section = text[text.index("Stack trace breakdown") :] if "Stack trace breakdown" in text else ""
     found = [LiveBuffer(m.group(1).removeprefix("jit(").split(")/", 1)[-1], int(re.sub(r"\D", "", m.group(2))))
              for m in _LIVE.finditer(section)]
-    return tuple(sorted((b for b in found if b.bytes), key=lambda b: -b.bytes))
+    total = _LIVE_PEAK.search(section)
+    live_peak = int(re.sub(r"\D", "", total.group(1))) if total else None
+    return tuple(sorted((b for b in found if b.bytes), key=lambda b: -b.bytes)), live_peak
 
 
 def compile_for(
@@ -224,7 +234,7 @@ def compiled_memory(
     with tempfile.TemporaryDirectory() as dump_dir:
         options = {"xla_dump_to": dump_dir} if breakdown else {}
         compiled = compile_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums, options=options)
-        live = _live_at_peak(dump_dir) if breakdown else ()
+        live, live_peak = _live_at_peak(dump_dir) if breakdown else ((), None)
     memory = CompiledMemory.of(compiled)
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
@@ -237,4 +247,5 @@ def compiled_memory(
         # XLA:TPU reports a negative time for programs its cost model cannot time.
         optimal_seconds=seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None,
         live_at_peak=live,
+        live_peak=live_peak,
     )
