@@ -125,9 +125,10 @@ class CompiledStep:
     padding and the gaps its packing leaves included); ``flops`` is None where the compiler reports
     none (XLA:GPU); ``optimal_seconds`` is XLA:TPU's modelled step time (None elsewhere, and where
     its cost model cannot time the program). With a breakdown: ``live_at_peak`` lists the buffers
-    live at the busiest point of the schedule, largest first, and ``live_peak`` is their sum, in
-    the arrays' own (unpadded) sizes; ``peak - live_peak`` is what tile padding and the heap's
-    packing add (large on XLA:TPU; docs/memory.md). Empty and None unless asked for.
+    live at the busiest point of XLA's live-range analysis, largest first, and ``live_peak`` is
+    their sum in the arrays' own (unpadded) sizes. The two peaks are counted differently: on XLA:TPU
+    ``peak`` also holds tile padding and the gaps the heap's packing leaves, and they differ either
+    way (docs/memory.md). Empty and None unless asked for.
     """
 
     target: str
