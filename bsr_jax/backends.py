@@ -75,11 +75,10 @@ BACKENDS: dict[str, DwBackend] = {
 
 
 def platform_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
-    """``PLATFORM_DEFAULTS``' backend of the platform being lowered for (``"xla"`` elsewhere); inside
-    ``jax.shard_map`` by the host's platform (``bsr_jax.platforms``): compile ahead of time for
-    another platform with ``jax.jit`` over sharded arrays (bsr_jax.sharding), or pass ``backend=``."""
+    """``PLATFORM_DEFAULTS``' backend of the platform being lowered for (``"xla"`` elsewhere), inside
+    ``jax.shard_map`` too (``bsr_jax.platforms``)."""
     branches = {platform: BACKENDS[name] for platform, name in PLATFORM_DEFAULTS.items()}
-    return platforms.by_lowering_platform(dy, BACKENDS["xla"], branches, bsr, dy)
+    return platforms.by_lowering_platform(BACKENDS["xla"], branches, bsr, dy)
 
 
 BACKENDS[AUTO] = platform_dw

@@ -419,7 +419,7 @@ def from_dense(
             rescale = jnp.where(kept_weights > 0, jnp.maximum(kept_weights, tau) / kept_weights, 1.0)
         view = functools.partial(_gather_from_view, block=block)
         windows = view if platforms.tpu_lane_dense(block) else functools.partial(_gather_windows, block=block)
-        values = platforms.by_lowering_platform(xp, view, {"tpu": windows}, xp, row_ids, col_ids)
+        values = platforms.by_lowering_platform(view, {"tpu": windows}, xp, row_ids, col_ids)
         if key is not None:
             values = (values.astype(jnp.float32) * rescale[:, None, None]).astype(x.dtype)
         row_ids = row_ids.astype(jnp.int16 if mb <= jnp.iinfo(jnp.int16).max + 1 else jnp.int32)

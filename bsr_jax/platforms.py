@@ -1,10 +1,9 @@
 """Choosing an implementation by the platform a function is lowered for, not the host's.
 
-``by_lowering_platform`` is ``lax.platform_dependent`` (one jitted function compiles for any target
-from any host, e.g. ahead of time for a TPU on a CPU machine), except inside ``jax.shard_map``:
-there the branches' results vary over different mesh axes, which ``platform_dependent``'s branches
-may not, so the choice is by the host's platform (``jax.default_backend()``), and compiling for
-another platform needs an explicit choice (e.g. ``backend=``).
+``by_lowering_platform`` is ``lax.platform_dependent``: one jitted function compiles for any target
+from any host (e.g. ahead of time for a TPU on a CPU machine), inside ``jax.shard_map`` too, where
+each branch's results are made to vary over the same manual mesh axes (those its operands vary
+over), as ``platform_dependent`` requires of its branches.
 """
 
 from __future__ import annotations
@@ -13,16 +12,32 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax import lax
 
 
-def by_lowering_platform(probe: jax.Array, default: Callable[..., Any], branches: dict[str, Callable[..., Any]], *operands: Any) -> Any:
+def _varying_axes(tree: Any) -> frozenset[str]:
+    return frozenset(a for leaf in jax.tree.leaves(tree) for a in jax.typeof(leaf).manual_axis_type.varying)
+
+
+def _varying_over(axes: frozenset[str], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def branch(*operands):
+        # A branch's result varies over no axis its operands do not (nothing here reads axis_index).
+        def vary(a):
+            missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
+            return lax.pcast(a, missing, to="varying") if missing else a
+
+        return jax.tree.map(vary, fn(*operands))
+
+    return branch
+
+
+def by_lowering_platform(default: Callable[..., Any], branches: dict[str, Callable[..., Any]], *operands: Any) -> Any:
     """``branches[platform](*operands)`` for the platform lowered for (``default`` for platforms not
-    named); by the host's platform when ``probe`` varies over manual mesh axes (inside shard_map).
-    Platform names are jax's lowering names: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``."""
-    if jax.typeof(probe).manual_axis_type.varying:
-        host = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())  # jax calls CUDA/ROCm "gpu"
-        return branches.get(host, default)(*operands)
-    return jax.lax.platform_dependent(*operands, default=default, **branches)
+    named). Platform names are jax's lowering names: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``."""
+    axes = _varying_axes(operands)
+    if axes:
+        default, branches = _varying_over(axes, default), {k: _varying_over(axes, f) for k, f in branches.items()}
+    return lax.platform_dependent(*operands, default=default, **branches)
 
 
 # XLA:TPU tiles an array's two minor dimensions to (8, 128): an array 16 values wide takes 8x its

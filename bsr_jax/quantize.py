@@ -246,7 +246,7 @@ def quantize_matrix(
     if key is None and storage_dtype in cpu_kernels.QUANTIZE_BITS and x.dtype in (jnp.float32, jnp.bfloat16):
         cpu = lambda x: cpu_kernels.quantize_blocks(x, block, storage_dtype)  # noqa: E731
     elsewhere = (lambda x: quantize_rows(x, block, storage_dtype, key)) if _rows_fit(block, storage_dtype) else in_blocks
-    return platforms.by_lowering_platform(x, elsewhere, {"cpu": cpu}, x)
+    return platforms.by_lowering_platform(elsewhere, {"cpu": cpu}, x)
 
 
 def dequantize_matrix(
@@ -261,4 +261,4 @@ def dequantize_matrix(
     if not _rows_fit(block, storage_dtype):
         return in_blocks(stored, scales)
     rows = lambda stored, scales: dequantize_rows(stored, scales, storage_dtype, block, grid, dtype)  # noqa: E731
-    return platforms.by_lowering_platform(stored, rows, {"cpu": in_blocks}, stored, scales)
+    return platforms.by_lowering_platform(rows, {"cpu": in_blocks}, stored, scales)

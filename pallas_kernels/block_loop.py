@@ -48,9 +48,13 @@ def _launch(ptr, ids, values, dense, *, contract, bn, config, precision, out_dty
     out_rows = values.shape[2 - contract]  # bk for x.T @ dy, bm for x @ w
     groups, (rows, cols) = ptr.shape[0] - 1, dense.shape
     whole = pl.no_block_spec  # index arrays and blocks are read at data-dependent slots
+    dense_type = jax.typeof(dense)
+    # Inside shard_map the result varies like the dense operand: derive its type from that one's.
+    out_shape = (dense_type.update(shape=(groups * out_rows, cols), dtype=out_dtype) if dense_type.manual_axis_type.varying
+                 else jax.ShapeDtypeStruct((groups * out_rows, cols), out_dtype))  # fmt: skip
     return pl.pallas_call(
         functools.partial(_kernel, contract=contract, precision=precision),
-        out_shape=jax.ShapeDtypeStruct((groups * out_rows, cols), out_dtype),
+        out_shape=out_shape,
         grid=(groups, cols // bn),
         in_specs=[whole, whole, whole, pl.BlockSpec((rows, bn), lambda i, n: (0, n))],
         out_specs=pl.BlockSpec((out_rows, bn), lambda i, n: (i, n)),

@@ -8,10 +8,11 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bsr_jax
 from benchmarks.compiled_memory import step_args
-from bsr_jax.compiled import compile_for
+from bsr_jax.compiled import compile_for, target_mesh
 from train import models
 
 INT4 = bsr_jax.Pruning(0.0, block=16, storage_dtype="int4")
@@ -78,3 +79,25 @@ def test_bad_targets_are_named():
 def test_host_target_reads_this_backend():
     step = bsr_jax.compiled_memory(jax.jit(lambda x: x @ x.T), jax.ShapeDtypeStruct((256, 64), jnp.float32))
     assert step.target == "host" and step.outputs == 256 * 256 * 4
+
+
+@pytest.mark.parametrize("target", ["h100", "tpu-v5p"])
+@pytest.mark.parametrize("pruning", [bsr_jax.Pruning(0.0, block=16, storage_dtype="int4"), bsr_jax.Pruning(0.7, block=16, storage_dtype="int8")])
+def test_inside_shard_map_compiles_for_an_accelerator_from_a_cpu_host(target, pruning):
+    """A training loop's shard_map (train.loop) compiled ahead of time for a GPU/TPU on this CPU
+    host: the quantization and dW kernels follow the lowering platform inside it too."""
+    mesh = target_mesh(target, 4)
+
+    def local(x, w, dy):
+        w = jax.lax.pcast(w, "data", to="varying")
+        _, vjp = jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=pruning), x, w)
+        return jax.lax.psum(vjp(dy)[1], "data")
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P()))
+    shapes = ((256, 64), (64, 32), (256, 32))
+    specs = (P("data"), P(), P("data"))
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, p)) for s, p in zip(shapes, specs)]
+    text = compile_for(step, *args, target=target, devices=4).as_text()
+    assert "bsr_jax_cpu" not in text
+    # Top-k on a GPU: the dW is the Pallas kernel.
+    assert ("pallas_call" in text) == (target == "h100" and pruning.sparsity > 0)
