@@ -7,7 +7,7 @@ For data parallel (Explicit and Auto axes), (data 2, model 2) meshes with the ke
 and dx equal the dense ones, dW equals the sum over row shards of the independent float64
 reference's per-shard masked product (``tests/reference.py``), dW keeps the kernel's sharding, and
 the compiled step has no all-gather (FSDP: only the kernel's). Also ``bsr_scale_shift``,
-``compress_rows`` shared blocks and ``compress_model``'s shared q/k/v blocks, an op inside an
+``compress_rows`` shared blocks and ``compress_model``'s shared q/k/v blocks, an op (top-k and int4) inside an
 existing ``shard_map``, the Auto-axes errors without ``batch_axes`` / ``jax.set_mesh``, and
 ``compressed_conv`` (dW against the single-device op per batch shard).
 """
@@ -220,6 +220,19 @@ def main() -> int:
     mapped = jax.jit(jax.shard_map(local, mesh=data4, in_specs=(P("data"), P(), P("data")), out_specs=P()))
     dw = mapped(xs, ws, place(dy, P("data")))
     chex.assert_trees_all_close(np.asarray(dw), reference_grads(x, w, dy, 4)[2], **TOL)
+    # 6b. Whole int4 matrices there too: the quantization (the CPU kernel, chosen by the lowering
+    # platform inside shard_map as outside) gives each shard what the op gives it on one device.
+    int4 = bsr_jax.Pruning(0.0, block=4, storage_dtype="int4")
+
+    def local_int4(x, w, dy):
+        w = jax.lax.pcast(w, "data", to="varying")
+        _, vjp = jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=int4), x, w)
+        return jax.lax.psum(vjp(dy)[1], "data")
+
+    mapped = jax.jit(jax.shard_map(local_int4, mesh=data4, in_specs=(P("data"), P(), P("data")), out_specs=P()))
+    one_device = jax.jit(lambda x, w, dy: jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=int4), x, w)[1](dy)[1])
+    expected = sum(one_device(xs_, w, dy_) for xs_, dy_ in zip(np.split(x, 4), np.split(dy, 4)))
+    chex.assert_trees_all_close(np.asarray(mapped(xs, ws, place(dy, P("data")))), np.asarray(expected), **TOL)
     # 7. Nothing to prune (sparsity 0) on Explicit axes with the contracted axis split on both sides
     # (a row-parallel layer): the exact product, where a plain dot_general (nn.Dense) would raise.
     x, w, dy = inputs()
