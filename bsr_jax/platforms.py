@@ -14,6 +14,8 @@ from typing import Any
 import jax
 from jax import lax
 
+from bsr_jax import sharding
+
 
 def _varying_axes(tree: Any) -> frozenset[str]:
     return frozenset(a for leaf in jax.tree.leaves(tree) for a in jax.typeof(leaf).manual_axis_type.varying)
@@ -22,11 +24,7 @@ def _varying_axes(tree: Any) -> frozenset[str]:
 def _varying_over(axes: frozenset[str], fn: Callable[..., Any]) -> Callable[..., Any]:
     def branch(*operands):
         # A branch's result varies over no axis its operands do not (nothing here reads axis_index).
-        def vary(a):
-            missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
-            return lax.pcast(a, missing, to="varying") if missing else a
-
-        return jax.tree.map(vary, fn(*operands))
+        return jax.tree.map(lambda a: sharding.vary_over(a, axes), fn(*operands))
 
     return branch
 

@@ -105,7 +105,9 @@ def _manual_candidates(mesh) -> tuple[str, ...]:
     return tuple(free)
 
 
-def _vary(a: jax.Array, axes: set[str]) -> jax.Array:
+def vary_over(a: jax.Array, axes: set[str] | frozenset[str]) -> jax.Array:
+    """``a``, typed as varying over ``axes`` (the manual mesh axes it does not vary over yet are
+    ``pcast``; its values are unchanged)."""
     missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
     return lax.pcast(a, missing, to="varying") if missing else a
 
@@ -191,7 +193,7 @@ def map_row_shards(
     union = {a for _, labels in labelled for label in labels for a in assigned[label]}
 
     def local(x, params, key, row_stacked):
-        x, params = _vary(x, union), [_vary(p, union) for p in params]
+        x, params = vary_over(x, union), [vary_over(p, union) for p in params]
         if key is not None and row_axes:
             key = jax.random.fold_in(key, lax.axis_index(row_axes))
         y = fn(x, params, key, row_stacked)

@@ -82,7 +82,7 @@ def test_host_target_reads_this_backend():
 
 
 @pytest.mark.parametrize("target", ["h100", "tpu-v5p"])
-@pytest.mark.parametrize("pruning", [bsr_jax.Pruning(0.0, block=16, storage_dtype="int4"), bsr_jax.Pruning(0.7, block=16, storage_dtype="int8")])
+@pytest.mark.parametrize("pruning", [INT4, bsr_jax.Pruning(0.7, block=16, storage_dtype="int8")])
 def test_inside_shard_map_compiles_for_an_accelerator_from_a_cpu_host(target, pruning):
     """A training loop's shard_map (train.loop) compiled ahead of time for a GPU/TPU on this CPU
     host: the quantization and dW kernels follow the lowering platform inside it too."""
