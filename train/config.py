@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -45,6 +46,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description keeps its lines (example commands stay one per line); flags show their defaults."""
 
 
 _NOT_GIVEN = object()
@@ -155,8 +160,16 @@ class TrainConfig:
             "warmup_epochs": (self.warmup_epochs >= 0, ">= 0"),
             "label_smoothing": (0.0 <= self.label_smoothing < 1.0, "in [0, 1)"),
             "lr": (self.lr > 0, "> 0"),
+            "min_lr": (0 <= self.min_lr <= self.lr, f"in [0, --lr {self.lr}]"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            # A zero width or depth fails deep inside the model (a division by zero, a negative shape).
+            "dim": (self.dim is None or self.dim >= 1, ">= 1"),
+            "depth": (self.depth is None or self.depth >= 1, ">= 1"),
             "seed": (self.seed >= 0, ">= 0"),
         }
+        for name in _FLOAT_FIELDS:  # inf or nan passes most comparisons and ruins a run silently
+            if not math.isfinite(getattr(self, name)):
+                checks[name] = (False, "a finite number")
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -217,6 +230,9 @@ class Processes:
                 raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
 
+_FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.type == "float")
+
+
 _PROCESS_HELP = {
     "coordinator": "HOST:PORT where process 0 serves JAX's coordination service (runs over several processes; "
     "every process passes the same address)",
@@ -249,9 +265,7 @@ def build_parser(
     prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str] = DATASETS
 ) -> argparse.ArgumentParser:
     """An argparse parser with one flag per ``TrainConfig`` field plus ``--workdir``."""
-    parser = _Parser(
-        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = _Parser(prog=prog, description=description, formatter_class=_HelpFormatter)
     parser.add_argument("--workdir", default=f"runs/{prog.split('.')[-1]}", help="where metrics, config and checkpoints go")
     choices = {
         "dataset": tuple(datasets),

@@ -103,3 +103,31 @@ def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path):
                             (tmp_path / "missing", f"No cifar10 'train' data: --data-dir {tmp_path / 'missing'} does not exist.")):  # fmt: skip
         line = refused(run_cli("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"), home=tmp_path), lines=3)
         assert line == f"train.cifar: {cause}"
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--dim", "0"], "argument --dim: dim must be >= 1, got 0"),
+    (["--dim", "-5", "--model", "resnet18"], "argument --dim: dim must be >= 1, got -5"),
+    (["--depth", "0"], "argument --depth: depth must be >= 1, got 0"),
+    (["--patch-size", "0"], "argument --patch-size: patch_size must be >= 1 and divide --image-size 32, got 0"),
+    (["--weight-decay", "-1"], "argument --weight-decay: weight_decay must be >= 0, got -1.0"),
+    (["--min-lr", "0.01"], "argument --min-lr: min_lr must be in [0, --lr 0.001], got 0.01"),
+    (["--min-lr=-1e-6"], "argument --min-lr: min_lr must be in [0, --lr 0.001], got -1e-06"),
+    (["--lr", "inf"], "argument --lr: lr must be a finite number, got inf"),
+    (["--warmup-epochs", "nan"], "argument --warmup-epochs: warmup_epochs must be a finite number, got nan"),
+])  # fmt: skip
+def test_model_size_and_optimizer_flags_are_checked_before_anything_starts(flags, line, tmp_path):
+    workdir = tmp_path / "run"
+    done = run_cli("train.cifar", *flags, "--data-dir", str(tmp_path / "no-data"), "--workdir", str(workdir), home=tmp_path)
+    assert refused(done) == f"train.cifar: {line} (see --help)"
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("module", ["train.cifar", "train.imagenet", "train.plot"])
+def test_help_keeps_the_descriptions_lines(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    doc = __import__(module, fromlist=["_"]).__doc__
+    lines = done.stdout.splitlines()
+    for expected in doc.strip().splitlines():  # each line as written, e.g. one example command per line
+        assert expected in lines, expected
