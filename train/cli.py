@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -14,11 +15,31 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
 
     0 when the run finished (or had finished before ``--resume``), 2 with a one-line message on
     stderr (no traceback) when a flag is invalid or the data cannot be found, read or downloaded,
-    128 + signal number when SIGINT/SIGTERM stopped it (after a checkpoint; ``--resume``
-    continues it).
+    128 + signal number when SIGINT/SIGTERM stopped it: in training after a checkpoint
+    (``--resume`` continues it), before (JAX starting, the data being read) with one line on stderr.
     """
     config, workdir, overrides = parse(prog, description, defaults, datasets, argv)
     processes = parse_processes(prog, argv)
+    # Ctrl-C before the run's own handlers (train.stopping) are installed, or after: while JAX
+    # starts or the data is read and decoded. SIGTERM the same way, rather than dying silently.
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        return _run(prog, config, workdir, overrides, processes)
+    except run_dir.DamagedRecords as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, _Interrupted) as interrupt:
+        signum = interrupt.signum if isinstance(interrupt, _Interrupted) else signal.SIGINT
+        saved = run_dir.latest_checkpoint_step(workdir)
+        after = ("no checkpoint to resume from: run it again" if saved is None
+                 else f"its last checkpoint is step {saved}: continue with --resume")  # fmt: skip
+        print(f"{prog}: stopped by {signal.Signals(signum).name}; {after}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def _run(prog: str, config, workdir: str, overrides: list[str], processes) -> int:
     if config.resume:
         done = run_dir.finished_at(workdir, config.steps, config.epochs)
         if done is not None:
@@ -39,3 +60,15 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
+
+
+class _Interrupted(BaseException):
+    """SIGTERM outside the training loop, raised as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(signum)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import bsr_jax
 from bsr_jax.schedules import layer_sparsity
+from train import run_dir
 from train.models import predict
 
 MIB = 2**20
@@ -105,8 +106,10 @@ class MetricsLog:
             # A resumed run rewrites what the interrupted one logged after its last checkpoint.
             kept = []
             if keep_until_step is not None and os.path.exists(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if json.loads(line).get("step", 0) <= keep_until_step]
+                records, damage = run_dir.read_records_and_damage(workdir)
+                if damage is not None:  # a partial last line: not rewritten, so the log is whole again
+                    say(damage)
+                kept = [json.dumps(r) + "\n" for r in records if r.get("step", 0) <= keep_until_step]
             with open(self.path, "w") as f:
                 f.writelines(kept)
 

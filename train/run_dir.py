@@ -36,13 +36,53 @@ def latest_checkpoint_step(workdir: str) -> int | None:
     return max(steps, default=None)
 
 
-def read_records(workdir: str) -> list[dict[str, Any]]:
-    """The records of ``workdir/metrics.jsonl``; ``FileNotFoundError`` names the missing file."""
-    path = os.path.join(workdir, "metrics.jsonl")
+class DamagedRecords(ValueError):
+    """A line of ``metrics.jsonl`` other than the last is not a JSON record; the message names the
+    file and the line (something other than a cut-off write damaged it: it is not dropped silently)."""
+
+
+def metrics_path(workdir: str) -> str:
+    return os.path.join(workdir, "metrics.jsonl")
+
+
+def read_records_and_damage(workdir: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The records of ``workdir/metrics.jsonl`` and a note on a partial last line, or None.
+
+    A run cut off while appending a record (a crash, a full disk, a kill) leaves a partial last
+    line; it is skipped (a resumed run rewrites the file without it) and the note says so, once,
+    for the caller to print. A damaged line before the last raises ``DamagedRecords``;
+    ``FileNotFoundError`` names a missing file.
+    """
+    path = metrics_path(workdir)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics in {workdir}: {path} does not exist")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:  # bytes: a cut-off write may end inside a UTF-8 character
+        lines = [(number, line) for number, line in enumerate(f.read().split(b"\n"), 1) if line.strip()]
+    records = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line.decode("utf-8", errors="replace"))
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif i < len(lines) - 1:
+            raise DamagedRecords(f"{path}: line {number} is not a JSON record "
+                                 f"({_excerpt(line)}); delete or repair that line")  # fmt: skip
+        else:
+            return records, (f"{path}: skipped its last line, a record cut off when it was written "
+                             f"({_excerpt(line)}; {len(line)} bytes)")  # fmt: skip
+    return records, None
+
+
+def read_records(workdir: str) -> list[dict[str, Any]]:
+    """``read_records_and_damage`` without the note (a partial last line is skipped silently)."""
+    return read_records_and_damage(workdir)[0]
+
+
+def _excerpt(line: bytes) -> str:
+    text = line.decode("utf-8", errors="replace").replace("\0", "\\0")
+    return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
 def stop_step(steps: int | None, epochs: int, steps_per_epoch: int) -> int:

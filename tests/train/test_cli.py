@@ -259,6 +259,23 @@ def test_resume_keeps_settings_refuses_changes_and_knows_when_it_is_done(smoke_r
     assert (saved["sparsity"], saved["steps"]) == (0.7, 5)
 
 
+def test_resume_skips_a_metrics_line_cut_off_by_a_crash_and_says_so(smoke_run, cifar_image_folder, tmp_path):
+    _, finished = smoke_run
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    metrics = workdir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:-1]) + lines[-1][:30])  # the final eval record, cut off
+    done = run_cli("train.cifar", "--workdir", str(workdir), "--resume", "--steps", "4", home=cifar_image_folder)
+    assert done.returncode == 0 and ours(done.stderr) == [], done.stdout + done.stderr
+    notes = [line for line in done.stdout.splitlines() if "metrics.jsonl" in line]
+    assert notes == [f"{metrics}: skipped its last line, a record cut off when it was written ({lines[-1][:30]!r}; 30 bytes)"]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]  # whole again
+    # (step 3's evaluation was due only as the end of --steps 3)
+    assert [(r["kind"], r["step"]) for r in records if r["kind"] != "memory"] == [
+        ("train", 1), ("train", 2), ("train", 3), ("train", 4), ("eval", 4)]
+
+
 def test_sigint_stops_within_a_step_with_a_checkpoint(cifar_image_folder, tmp_path):
     workdir = tmp_path / "run"
     flags = smoke_flags(cifar_image_folder, workdir)  # 100 epochs of 5 steps: far longer than the test

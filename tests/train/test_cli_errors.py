@@ -4,8 +4,11 @@ line gives the cause and names the flag (or file) and the value to change; no tr
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -131,3 +134,34 @@ def test_help_keeps_the_descriptions_lines(module):
     lines = done.stdout.splitlines()
     for expected in doc.strip().splitlines():  # each line as written, e.g. one example command per line
         assert expected in lines, expected
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_data_is_read_stops_with_one_line(signum, cifar_image_folder, tmp_path):
+    # One "image" is a FIFO: the reader blocks in it until the test has sent the signal, so the
+    # signal lands while the data is being read, every time, without a large archive.
+    folder = tmp_path / "data"
+    shutil.copytree(cifar_image_folder / "cifar10", folder / "cifar10")
+    fifo = folder / "cifar10" / "train" / "class9" / "9999.png"
+    os.mkfifo(fifo)
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "TFDS_DATA_DIR": str(tmp_path / "tfds"), "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen([sys.executable, "-m", "train.cifar", *small_run(folder, tmp_path)], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:  # opening the FIFO for writing succeeds once the reader has it open
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.05)
+    try:
+        process.send_signal(signum)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    assert process.returncode == 128 + signum and "Traceback" not in stderr, stderr
+    assert ours(stderr) == [f"train.cifar: stopped by {signal.Signals(signum).name}; no checkpoint to resume from: run it again"]
+    assert stdout == "" and not (tmp_path / "run").exists()
+    cache = folder / "cache"
+    assert not cache.exists() or [n for n in os.listdir(cache) if n.startswith(".tmp")] == []  # no half-written entry
