@@ -41,9 +41,9 @@ from typing import Any, Callable, Iterator, Literal
 import jax
 import numpy as np
 from PIL import UnidentifiedImageError
-from tqdm import tqdm
 
 from train import augment as aug
+from train import progress
 from train.data_cache import CacheWriter, CachedSplit, cache_name, read_cache, resolve_cache_dir
 from train.data_decode import CHUNK, Chunk, MixedSizes, decode_chunks, stored_size
 from train.data_sources import (
@@ -251,7 +251,7 @@ def _load_tfds(
 
 
 def _tfds_chunks(source: Any, split: str) -> Iterator[Chunk]:
-    for start in tqdm(range(0, len(source), CHUNK), desc="reading tfds", unit="chunk", mininterval=1.0):
+    for start in progress.bar(range(0, len(source), CHUNK), desc="reading tfds", unit="chunk", mininterval=1.0):
         examples = [source[i] for i in range(start, min(start + CHUNK, len(source)))]
         yield Chunk(split, [int(e["label"]) for e in examples], [e["image"] for e in examples])
 

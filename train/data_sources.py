@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, Iterator, Literal
 
 from tqdm import tqdm
 
+from train import progress
 from train.data_decode import CHUNK, Chunk
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -327,14 +328,14 @@ def _read_folder_dir(root: str, split: str, classes: list[str]) -> Iterator[Chun
     files = [(label, os.path.join(split_root, c, n))
              for label, c in enumerate(class_names) if os.path.isdir(os.path.join(split_root, c))
              for n in _listdir(os.path.join(split_root, c)) if n.lower().endswith(IMAGE_EXTENSIONS)]  # fmt: skip
-    progress = tqdm(files, desc=f"decoding {split_root}", unit="img", mininterval=1.0,
-                    disable=len(files) < _PROGRESS_FILES)  # fmt: skip
+    bar = progress.bar(files, desc=f"decoding {split_root}", unit="img", mininterval=1.0,
+                       hidden=len(files) < _PROGRESS_FILES)  # fmt: skip
 
     def read(path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
 
-    yield from _chunks_of(((label, read(path)) for label, path in progress), split)
+    yield from _chunks_of(((label, read(path)) for label, path in bar), split)
 
 
 class _ProgressFile(io.RawIOBase):
@@ -361,8 +362,8 @@ class _ProgressFile(io.RawIOBase):
 def _open_tar(path: str) -> Iterator[tarfile.TarFile]:
     """Sequential ("r|*": any compression, single pass) reader with a byte progress bar."""
     size = os.path.getsize(path)
-    bar = tqdm(total=size, desc=f"reading {os.path.basename(path)}", unit="B", unit_scale=True,
-               mininterval=1.0, disable=size < _PROGRESS_BYTES)  # fmt: skip
+    bar = progress.bar(total=size, desc=f"reading {os.path.basename(path)}", unit="B", unit_scale=True,
+                       mininterval=1.0, hidden=size < _PROGRESS_BYTES)  # fmt: skip
     with io.BufferedReader(_ProgressFile(open(path, "rb"), bar), buffer_size=1 << 20) as stream:
         with tarfile.open(fileobj=stream, mode="r|*") as tar:
             yield tar

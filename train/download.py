@@ -13,8 +13,7 @@ import os
 import urllib.error
 import urllib.request
 
-from tqdm import tqdm
-
+from train import progress
 from train.data_sources import DataError
 
 BASE_URL = "https://www.cs.toronto.edu/~kriz/"
@@ -54,7 +53,7 @@ def download_cifar(dataset: str, directory: str, timeout_s: float = 30.0) -> str
             if response.status != 206:  # the whole file (a server may ignore the range)
                 offset = 0
             length = int(response.headers.get("Content-Length") or 0)
-            with open(part, "ab" if offset else "wb") as f, tqdm(
+            with open(part, "ab" if offset else "wb") as f, progress.bar(
                 total=offset + length or None, initial=offset, unit="B", unit_scale=True, desc=f"downloading {name}"
             ) as bar:  # fmt: skip
                 while chunk := response.read(_CHUNK):

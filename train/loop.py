@@ -37,9 +37,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from tqdm import tqdm
 
-from train import data, metrics, run_dir, sharding, stopping
+from train import data, metrics, progress, run_dir, sharding, stopping
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
 from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
@@ -163,7 +162,7 @@ def evaluate(eval_step, variables, batches: Iterator[dict], mesh, num_batches: i
     totals = None
     placed = data.prefetch(map(sharding.local_rows, batches), sharding=sharding.batch_sharding(mesh))
     with contextlib.closing(placed):
-        for batch in tqdm(placed, total=num_batches, desc="evaluating", unit="batch", leave=False, disable=_quiet()):
+        for batch in progress.bar(placed, total=num_batches, desc="evaluating", unit="batch", leave=False, hidden=_quiet()):
             if stop is not None and stop.agreed() is not None:
                 return None
             out = eval_step(variables, batch)
@@ -308,7 +307,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
 
     step = start_step
     with stopping.stop_on_signals() as stop, contextlib.closing(_batches_from(step, steps_per_epoch, train_data, config, crop, mesh)) as batches, \
-            tqdm(total=stop_step, initial=start_step, unit="step", desc="training", disable=_quiet()) as bar:  # fmt: skip
+            progress.bar(total=stop_step, initial=start_step, unit="step", desc="training", hidden=_quiet()) as bar:  # fmt: skip
         signalled = False
         if start_step > 0 and eval_due(start_step) and start_step not in evaluated:  # stopped during that evaluation
             signalled = run_eval(start_step, stop)
@@ -356,9 +355,9 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     return result
 
 
-def _quiet() -> bool | None:
-    """tqdm's ``disable``: progress bars on process 0 only, where there is a terminal (None: tqdm decides)."""
-    return None if jax.process_index() == 0 else True
+def _quiet() -> bool:
+    """Progress bars on process 0 only (and there, as every bar, on a terminal only: ``train.progress``)."""
+    return jax.process_index() != 0
 
 
 def _records(workdir: str) -> list[dict[str, Any]]:
