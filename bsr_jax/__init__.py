@@ -1,5 +1,7 @@
 """bsr-jax: block-sparse activation residuals for memory-efficient training in JAX/Flax."""
 
+# First, before jax starts: no plugin noise on a machine without an accelerator (see its docstring).
+from bsr_jax import _environment  # noqa: F401  isort: skip
 from bsr_jax.compress import compress_model
 from bsr_jax.conv import Conv, compressed_conv
 from bsr_jax.elementwise import bsr_scale_shift
