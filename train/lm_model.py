@@ -1,0 +1,189 @@
+"""A decoder-only transformer LM written as current ones are (Llama-style), in Flax linen.
+
+Layout, for tokens ``(B, T)`` int32 -> logits ``(B, T, V)`` float32::
+
+    x = embed(tokens)                                       # (B, T, D), params f32, cast to dtype
+    for each layer:                                         # Python loop or nn.scan
+        x = x + o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))   # causal, H heads
+        x = x + down(silu(gate(n2(x))) * up(n2(x)))          # SwiGLU MLP
+    logits = head(norm(x))                                  # or embed.attend (tied)
+
+Norms are a hand-written RMSNorm (statistics in f32), the MLP a hand-written ``silu(gate) * up``,
+attention a hand-written causal softmax in f32: the forms ``bsr_jax.compress_model``'s lean pass
+has to recognise by what they compute (``bsr_jax.lean_graph``), as it will in users' models.
+Every linear layer is an ``nn.Dense`` without bias; ``compress_model`` routes them by path
+(``layer_3/attn/q``; under ``nn.scan`` one path for all layers, ``layers/attn/q``, its parameters
+stacked on a leading axis). Computation runs in ``dtype`` (bf16 by default) with f32 parameters.
+
+``scan=True`` stacks the layers with ``nn.scan`` (as MaxText and levanter do: one traced layer, so
+compile time does not grow with depth); ``remat=True`` wraps each layer in ``nn.remat`` (inside
+the scan when both are set), keeping only the layer input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMShape:
+    """A model's sizes: ``dim`` D, ``depth`` layers, ``heads`` H (head dim D / H), SwiGLU ``hidden``,
+    ``vocab_size`` V (taken from the tokenizer when training; the preset's for compiled memory),
+    ``seq_len`` T (the preset's default context)."""
+
+    dim: int
+    depth: int
+    heads: int
+    hidden: int
+    vocab_size: int
+    seq_len: int
+
+
+def swiglu_hidden(dim: int, multiple: int = 64) -> int:
+    """Llama's SwiGLU width: 2/3 of 4 D (same parameters as a 4 D GELU MLP), rounded up to ``multiple``."""
+    return multiple * math.ceil(8 * dim / 3 / multiple)
+
+
+PRESETS: dict[str, LMShape] = {
+    # A few million parameters: trains in minutes on 2 CPU cores.
+    "cpu": LMShape(dim=256, depth=4, heads=4, hidden=swiglu_hidden(256), vocab_size=8192, seq_len=128),
+    # GPT-2 small's shape (12 x 768, 12 heads) with Llama's blocks; vocabulary 32768.
+    "gpt2-small": LMShape(dim=768, depth=12, heads=12, hidden=swiglu_hidden(768), vocab_size=32768, seq_len=1024),
+    # ~1.1B parameters (Llama-style 16 x 2048 at vocabulary 32768): for compiled memory only.
+    "1b": LMShape(dim=2048, depth=16, heads=16, hidden=swiglu_hidden(2048), vocab_size=32768, seq_len=2048),
+}
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * scale`` over the last axis, statistics in f32; output in ``dtype`` (or x's).
+    Params: ``scale`` f32 (D,), initialised to ones."""
+
+    eps: float = 1e-6
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(self.dtype or x.dtype)
+
+
+def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding of ``x (B, T, H, Dh)`` at positions 0..T-1 (pairs are the two
+    halves of the head dimension, as in GPT-NeoX and Llama's Hugging Face port); computed in f32,
+    returned in x's dtype."""
+    seq_len, head_dim = x.shape[1], x.shape[3]
+    inv_freq = 1.0 / base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, Dh/2)
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Softmax attention of ``q, k, v (B, T, H, Dh)``, each position attending to itself and earlier
+    ones; scores and softmax in f32, output ``(B, T, H, Dh)`` in q's dtype."""
+    seq_len, head_dim = q.shape[1], q.shape[3]
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((seq_len, seq_len), jnp.bool_))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+
+class Attention(nn.Module):
+    heads: int
+    depth: int  # of the whole model: the output projection's init is scaled by 1 / sqrt(2 depth)
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, seq_len, dim = x.shape
+        dense = lambda name, init=_init: nn.Dense(dim, use_bias=False, dtype=self.dtype, kernel_init=init, name=name)
+        split = lambda y: y.reshape(batch, seq_len, self.heads, dim // self.heads)
+        q, k, v = (split(dense(name)(x)) for name in ("q", "k", "v"))
+        y = causal_attention(rope(q), rope(k), v).reshape(batch, seq_len, dim)
+        return dense("o", nn.initializers.normal(0.02 / math.sqrt(2 * self.depth)))(y)
+
+
+class SwiGLU(nn.Module):
+    hidden: int
+    depth: int
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dense = lambda features, name, init=_init: nn.Dense(features, use_bias=False, dtype=self.dtype, kernel_init=init, name=name)
+        y = nn.silu(dense(self.hidden, "gate")(x)) * dense(self.hidden, "up")(x)
+        return dense(x.shape[-1], "down", nn.initializers.normal(0.02 / math.sqrt(2 * self.depth)))(y)
+
+
+class Layer(nn.Module):
+    """One pre-norm block on ``(B, T, D)``; ``(x, None) -> (x, None)``, the carry form ``nn.scan`` takes."""
+
+    heads: int
+    hidden: int
+    depth: int
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        x = x + Attention(self.heads, self.depth, self.dtype, name="attn")(RMSNorm(dtype=self.dtype, name="norm1")(x))
+        x = x + SwiGLU(self.hidden, self.depth, self.dtype, name="mlp")(RMSNorm(dtype=self.dtype, name="norm2")(x))
+        return x, None
+
+
+class LM(nn.Module):
+    """Decoder-only LM: ``tokens (B, T)`` int -> logits ``(B, T, vocab_size)`` f32, or with
+    ``features_only=True`` the final norm's output ``(B, T, D)`` in ``dtype`` (for a loss that
+    applies the head itself, ``head_kernel``).
+
+    Params: ``embed/embedding`` (V, D); ``layer_{i}/...`` (or ``layers/...`` stacked on a leading
+    axis of size ``depth`` with ``scan``); ``norm/scale``; ``head/kernel`` (D, V) unless ``tie``.
+    """
+
+    shape: LMShape
+    tie: bool = False
+    scan: bool = False
+    remat: bool = False
+    dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, features_only: bool = False) -> jax.Array:
+        s = self.shape
+        embed = nn.Embed(s.vocab_size, s.dim, embedding_init=_init, name="embed")
+        x = embed(tokens).astype(self.dtype)
+        layer = nn.remat(Layer) if self.remat else Layer
+        if self.scan:
+            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True, "pruning": True}, length=s.depth)
+            x, _ = stack(s.heads, s.hidden, s.depth, self.dtype, name="layers")(x, None)
+        else:
+            for i in range(s.depth):
+                x, _ = layer(s.heads, s.hidden, s.depth, self.dtype, name=f"layer_{i}")(x, None)
+        x = RMSNorm(dtype=self.dtype, name="norm")(x)
+        if features_only:
+            return x
+        if self.tie:
+            return embed.attend(x.astype(jnp.float32))
+        return nn.Dense(s.vocab_size, use_bias=False, dtype=self.dtype, kernel_init=_init, name="head")(x).astype(jnp.float32)
+
+
+def head_kernel(params: dict[str, Any], tie: bool) -> jax.Array:
+    """The head's ``(D, V)`` f32 weight in ``params``: the embedding transposed when tied."""
+    return params["embed"]["embedding"].T if tie else params["head"]["kernel"]
+
+
+def num_params(shape: LMShape, tie: bool = False) -> int:
+    """Parameter count of ``LM(shape, tie)``, from the shapes (nothing runs)."""
+    d, v = shape.dim, shape.vocab_size
+    layer = 4 * d * d + 3 * d * shape.hidden + 2 * d
+    return v * d * (1 if tie else 2) + shape.depth * layer + d
