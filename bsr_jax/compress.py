@@ -259,7 +259,8 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = Tru
 
     Args:
       model: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module``.
-      rules: ``bsr_jax.Rule(pattern, compression)``s, or one; e.g. ``[Rule("*", Pruning(0.7, block=16))]``.
+      rules: ``bsr_jax.Rule(pattern, compression)``s, or one; e.g. ``[Rule("*", Pruning(0.7, block=16))]``;
+        at least one (an empty list is a ``ValueError``).
       lean: also make norms, activations and attention keep less (exact; ``bsr_jax.lean``).
 
     Random options (``Pruning(stochastic=True)`` or ``rounding="stochastic"``) draw their keys from
@@ -271,6 +272,11 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = Tru
       the same parameter tree and whose ``apply`` compresses; NNX: ``model`` itself, routed in place.
     """
     rules = rules_lib.as_rules(rules)
+    if not rules:
+        raise ValueError(
+            "rules is empty: compress_model needs at least one bsr_jax.Rule, e.g. "
+            "[Rule('*', bsr_jax.presets.recommended(0.5))] (Rule(pattern, None) leaves matching layers dense)"
+        )
     if isinstance(model, nn.Module):
         return _linen_compressed(model, rules, lean)
     if isinstance(model, nnx.Module):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -46,15 +46,37 @@ def scale_rules(rules: SparsityRules, fraction: float) -> SparsityRules:
     return tuple((pattern, round(sparsity * fraction, 6)) for pattern, sparsity in rules)
 
 
-@contextlib.contextmanager
-def layer_sparsity(rules: SparsityRules | Sequence[tuple[str, float]]) -> Iterator[None]:
+def layer_sparsity(rules: SparsityRules | Sequence[tuple[str, float]]) -> contextlib.AbstractContextManager[None]:
     """Within the context, each bsr_jax layer whose module path ('/'-joined, e.g.
     ``"block3/fc1"``) matches a pattern (``fnmatch``) runs at that pattern's sparsity; the first
     matching rule wins and unmatched layers keep their own setting. Applies at trace time, so use
     it inside the jitted function (with the rules as a static value).
-    """
-    rules = tuple((str(p), check_sparsity(s)) for p, s in rules)
 
+    Raises ``ValueError`` here, when the context is made, for a rule that is not a
+    ``(pattern, sparsity)`` pair or a sparsity outside [0, 1).
+    """
+    return _layer_sparsity(_check_rules(rules))
+
+
+def _check_rules(rules: Iterable[tuple[str, float]]) -> SparsityRules:
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+        raise ValueError(f"layer_sparsity rules must be a sequence of (pattern, sparsity) pairs, got {rules!r}")
+    checked = []
+    for rule in rules:
+        if isinstance(rule, (str, bytes)) or not isinstance(rule, Sequence) or len(rule) != 2:
+            raise ValueError(f"layer_sparsity rule {rule!r} must be a (pattern, sparsity) pair, e.g. ('*/fc2', 0.9)")
+        pattern, sparsity = rule
+        try:
+            checked.append((str(pattern), check_sparsity(sparsity)))
+        except ValueError:
+            raise ValueError(
+                f"layer_sparsity rule {tuple(rule)!r}: the sparsity must be a Python float in [0, 1), got {sparsity!r}"
+            ) from None
+    return tuple(checked)
+
+
+@contextlib.contextmanager
+def _layer_sparsity(rules: SparsityRules) -> Iterator[None]:
     def override(next_fun, args, kwargs, context):
         if isinstance(context.module, PrunedModule) and context.method_name == "__call__":
             i = first_match([pattern for pattern, _ in rules], module_path(context.module))

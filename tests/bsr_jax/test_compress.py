@@ -175,6 +175,14 @@ def test_rules_first_match_none_and_defaults():
         Rule("fc1", 0.5)
 
 
+@pytest.mark.parametrize("model", [_Named(), nnx.Linear(4, 4, rngs=nnx.Rngs(0))], ids=["linen", "nnx"])
+def test_no_rules_is_an_error_naming_the_argument(model):
+    # An empty list would leave every layer dense without a word.
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match=r"^rules is empty: compress_model needs at least one bsr_jax.Rule"):
+            compress_model(model, empty)
+
+
 def test_unsupported_products_stay_dense_and_exact():
     x = jax.random.normal(jax.random.key(0), (4, 6, 8))
     layer = nn.DenseGeneral(5, batch_dims=(0,), axis=-1)

@@ -62,6 +62,22 @@ def _with(rules, loss, params, x):
         return loss(params, x)
 
 
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        ((("*", 1.2),), r"layer_sparsity rule \('\*', 1.2\): the sparsity must be a Python float in \[0, 1\), got 1.2"),
+        ((("fc1", 0.5), ("*", -0.1)), r"rule \('\*', -0.1\): the sparsity must be a Python float in \[0, 1\)"),
+        ((("*", 1.0),), r"in \[0, 1\), got 1.0"),
+        ((("*", "0.5"),), r"in \[0, 1\), got '0.5'"),
+        (("*", 0.5), r"rule '\*' must be a \(pattern, sparsity\) pair"),
+        ("*=0.5", r"rules must be a sequence of \(pattern, sparsity\) pairs"),
+    ],
+)
+def test_layer_sparsity_checks_its_rules_when_made_not_when_entered(rules, message):
+    with pytest.raises(ValueError, match=message):
+        layer_sparsity(rules)  # no `with`: the mistake is reported where the rules are written
+
+
 def test_gradient_sensitivity_grows_with_sparsity_and_matches_single_layer_pruning():
     x, params, loss = _setup()
     paths = prunable_layer_paths(Net().apply, params, x)
