@@ -32,24 +32,22 @@ import gzip
 import importlib.util
 import os
 import pickle
-import queue
 import tarfile
-import threading
 import zlib
 from typing import Any, Callable, Iterator, Literal
 
-import jax
 import numpy as np
 from PIL import UnidentifiedImageError
 
 from train import augment as aug
 from train import progress
 from train.data_cache import CacheWriter, CachedSplit, cache_name, read_cache, resolve_cache_dir
-from train.data_decode import CHUNK, Chunk, MixedSizes, decode_chunks, stored_size
+from train.data_decode import CHUNK, Chunk, MixedSizes, UnreadableImage, decode_chunks, stored_size
 from train.data_sources import (
     ILSVRC_TARS, SPLIT_DIRS, DataError, Source, find_local_source, not_found_message, read_source, tfds_data_dir,
 )
 from train.download import CIFAR_ARCHIVES, MIRROR_VAR, download_cifar
+from train.prefetch import prefetch  # noqa: F401 - re-exported: callers use data.prefetch
 
 DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
 # Per-channel mean and std of the training pixels in [0, 1].
@@ -63,6 +61,7 @@ MEAN_STD = {
     # Custom image folders: ImageNet statistics, the usual default for natural images.
     "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
 }
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "imagenet2012": 1000}
 _PERMUTATION_STREAM, _AUGMENT_STREAM = 0, 1
 
 
@@ -142,7 +141,7 @@ def load_split(
     cache_root = resolve_cache_dir(cache_dir)
     downloads = os.path.join(cache_root, "downloads")
     source, looked = find_local_source(dataset, data_dir, downloads)
-    tfds_dir = os.path.join(data_dir or tfds_data_dir(), dataset)
+    tfds_dir = os.path.join(os.path.abspath(os.path.expanduser(data_dir or tfds_data_dir())), dataset)
     has_tfds = importlib.util.find_spec("tensorflow_datasets") is not None
     if source is None and has_tfds and os.path.isdir(tfds_dir):
         cached = _load_tfds(dataset, split, data_dir, image_size, cache_root, looked)
@@ -150,16 +149,22 @@ def load_split(
         if source is None and dataset in CIFAR_ARCHIVES and data_dir is None:
             try:
                 source = Source("cifar_python", download_cifar(dataset, downloads))
-            except DataError as error:
-                raise DataError(f"{error}\n  Without network, download {CIFAR_ARCHIVES[dataset][1]} elsewhere and pass it as "
-                                "--data-dir, or an image folder train/<class>/*.jpg, test/<class>/*.jpg (a directory "
-                                f"or .tar); or set ${MIRROR_VAR} to a mirror") from None  # fmt: skip
+            except DataError as error:  # the cause, where it looked before downloading, what to do offline
+                raise DataError(f"{error}\n  Looked in {', '.join(looked)} first.\n  Offline: pass --data-dir "
+                                f"{CIFAR_ARCHIVES[dataset][1]} from elsewhere, or an image folder; or set ${MIRROR_VAR}.") from None  # fmt: skip
         if source is None:
             reason = f"no {tfds_dir}" if has_tfds else "tensorflow-datasets is not installed"
+            if data_dir is not None and not os.path.isdir(os.path.expanduser(data_dir)):
+                reason = None  # tfds reads directories only: nothing to say about a file or a missing path
             raise DataNotFoundError(not_found_message(dataset, split, data_dir, looked, reason, downloadable=dataset in CIFAR_ARCHIVES))
         cached = _load_local(source, dataset, split, image_size, cache_root)
+    num_classes = cached.meta["num_classes"]
+    if dataset in NUM_CLASSES and num_classes != NUM_CLASSES[dataset]:
+        # Labels would index a head of the wrong size, and the accuracies would not be CIFAR's.
+        raise DataError(f"{cached.meta['source']} has {num_classes} classes, but {dataset} has {NUM_CLASSES[dataset]}: "
+                        "pass --dataset imagefolder to train on it as it is, or point --data-dir at the dataset")  # fmt: skip
     mean, std = MEAN_STD[dataset]
-    return ArrayDataset(cached.images, cached.labels, cached.meta["num_classes"], mean, std)
+    return ArrayDataset(cached.images, cached.labels, num_classes, mean, std)
 
 
 def _load_local(
@@ -176,6 +181,8 @@ def _load_local(
         meta = {"dataset": dataset, "source": source.path}
         try:
             _decode_to_cache(chunks, classes, image_size, cache_root, name_of, meta)
+        except UnreadableImage as error:
+            raise DataError(f"{error} (a truncated or corrupt image? replace or delete it)") from None
         except _UNREADABLE as error:
             raise DataError(f"cannot read {source.path}: {type(error).__name__}: {error} "
                             "(a truncated or corrupt file? replace it, or point --data-dir elsewhere)") from None  # fmt: skip
@@ -347,55 +354,3 @@ def eval_batches(
         batch["label"][:real] = data.labels[start : start + batch_size]
         batch["mask"][:real] = 1.0
         yield batch
-
-
-def prefetch(
-    iterator: Iterator[Any], size: int = 2, sharding: jax.sharding.Sharding | None = None
-) -> Iterator[Any]:
-    """Run `iterator` in a background thread, keeping up to `size` items ready.
-
-    With `sharding`, every array leaf is placed with `jax.make_array_from_process_local_data`
-    (this process's rows of a batch sharded along its first axis; one process: the whole batch).
-    Exceptions in the iterator are re-raised in the consumer; abandoning the generator stops the thread.
-    """
-    if size < 1:
-        raise ValueError(f"size must be >= 1, got {size}")
-    items: queue.Queue = queue.Queue(maxsize=size)
-    stop = threading.Event()
-    done = object()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                items.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for item in iterator:
-                if sharding is not None:
-                    item = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), item)
-                if not put((item, None)):
-                    return
-            put((done, None))
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            put((None, error))
-
-    thread = threading.Thread(target=produce, daemon=True, name="prefetch")
-    thread.start()
-    try:
-        while True:
-            item, error = items.get()
-            if error is not None:
-                raise error
-            if item is done:
-                return
-            yield item
-    finally:
-        stop.set()
-        # Joined, not left to die as a daemon: a thread still inside XLA when the interpreter
-        # exits aborts the process ("terminate called ... FATAL: exception not rethrown").
-        thread.join()

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 STORE_RATIO = 1 / 0.875  # stored side = image_size / 0.875: 224 -> 256, the usual eval resize
 CHUNK = 512  # images per decode task
@@ -30,27 +30,47 @@ class MixedSizes(ValueError):
         super().__init__(f"images have different sizes {' and '.join(f'{h}x{w}' for h, w in sizes)}")
 
 
+class UnreadableImage(ValueError):
+    """An encoded image PIL cannot decode; the message names its file (or archive member)."""
+
+    def __init__(self, name: str | None, error: Exception):
+        # PIL's own message names a BytesIO object ("cannot identify image file <_io.BytesIO ...>").
+        why = "not an image file PIL can identify" if isinstance(error, UnidentifiedImageError) else f"{type(error).__name__}: {error}"
+        super().__init__(f"cannot read image {name or '(unnamed)'}: {why}")
+        self.name = name
+
+
 @dataclasses.dataclass
 class Chunk:
     """Up to CHUNK examples of one split. images: list of encoded bytes or uint8 (H, W, 3) arrays,
     or a uint8 (n, H, W, 3) array once decoded; labels: ints, or class names (image-folder
     archives, whose class list is known only at the end); split: "train", "test" or an
-    image-folder split directory name ("val", "validation")."""
+    image-folder split directory name ("val", "validation"); names: where each encoded image came
+    from (a path, or "member in archive"), for errors; empty where images come as arrays."""
 
     split: str
     labels: list[Any]
     images: Any
+    names: list[str] = dataclasses.field(default_factory=list)
 
 
-def decode_images(images: Any, size: int | None) -> np.ndarray:
+def decode_images(images: Any, size: int | None, names: list[str] | None = None) -> np.ndarray:
     """Encoded images (bytes) or uint8 arrays -> uint8 (n, H, W, 3).
 
     size None keeps every image's own size (they must agree); else each image is resized so its
-    shorter side is `size` (bicubic, antialiased) and centre-cropped to size x size.
+    shorter side is `size` (bicubic, antialiased) and centre-cropped to size x size. An encoded
+    image that cannot be decoded raises `UnreadableImage` naming it (``names[i]``).
     """
     if isinstance(images, np.ndarray) and size is None:
         return images.astype(np.uint8, copy=False)
-    decoded = [_decode_one(image, size) for image in images]
+    decoded = []
+    for i, image in enumerate(images):
+        try:
+            decoded.append(_decode_one(image, size))
+        except Exception as error:  # noqa: BLE001 - PIL raises UnidentifiedImageError, OSError (truncated), SyntaxError, ...
+            if isinstance(image, np.ndarray):
+                raise
+            raise UnreadableImage(names[i] if names else None, error) from None
     shapes = sorted({a.shape[:2] for a in decoded})
     if len(shapes) > 1:
         raise MixedSizes(shapes[:2])
@@ -91,7 +111,7 @@ def decode_chunks(chunks: Iterator[Chunk], size: int | None) -> Iterator[Chunk]:
     with ThreadPoolExecutor(workers, thread_name_prefix="decode") as pool:
         try:
             for chunk in chunks:
-                pending.append((chunk, pool.submit(decode_images, chunk.images, size)))
+                pending.append((chunk, pool.submit(decode_images, chunk.images, size, chunk.names)))
                 # Bounded look-ahead: memory stays a few chunks, whatever the source size.
                 while len(pending) > 2 * workers:
                     yield _finished(*pending.popleft())
@@ -103,4 +123,4 @@ def decode_chunks(chunks: Iterator[Chunk], size: int | None) -> Iterator[Chunk]:
 
 
 def _finished(chunk: Chunk, result: Future) -> Chunk:
-    return Chunk(chunk.split, chunk.labels, result.result())
+    return Chunk(chunk.split, chunk.labels, result.result(), chunk.names)

@@ -11,7 +11,8 @@ directory CIFAR archives are downloaded to, <cache dir>/downloads):
      validation/), labels = alphabetical index of <class> over both splits; <root> is R, a
      sub-directory of R, or the top of a .tar/.tar.gz/.tgz archive (or one level inside it).
      Sub-directories and archives must be named after the dataset (cifar10*, cifar-10*,
-     imagenet*; R itself for dataset "imagefolder") unless R is the archive.
+     imagenet*) unless R is the archive; for dataset "imagefolder", R or the one sub-directory of
+     R holding train/.
 Readers yield `Chunk`s of encoded images for `train.data_decode.decode_chunks`.
 """
 
@@ -98,13 +99,17 @@ def tfds_data_dir() -> str:
 
 
 def find_local_source(dataset: str, data_dir: str | None, downloads: str) -> tuple[Source | None, list[str]]:
-    """First local source of `dataset` (see module docstring) and the list of places looked at;
-    `downloads` is where downloaded archives are kept (searched without `data_dir`)."""
+    """First local source of `dataset` (see module docstring) and the places looked in (directories
+    or files, with a note where one does not exist or is not an archive); `downloads` is where
+    downloaded archives are kept (searched without `data_dir`). Several unnamed image folders one
+    level down (dataset "imagefolder") raise `DataError`: which one is meant is not known."""
     if data_dir is None:
         roots = [os.path.join(tfds_data_dir(), "downloads", "manual"), downloads]
     else:
         data_dir = os.path.abspath(os.path.expanduser(data_dir))
-        roots = [data_dir, os.path.join(data_dir, "downloads", "manual")]
+        # tfds' manual_dir inside it only when it is a directory: a file (an archive of another
+        # name, a typo's path) has no downloads/manual.
+        roots = [data_dir] + ([os.path.join(data_dir, "downloads", "manual")] if os.path.isdir(data_dir) else [])
     looked: list[str] = []
     for root in roots:
         source = _find_in(dataset, root, looked)
@@ -123,59 +128,57 @@ def _find_in(dataset: str, root: str, looked: list[str]) -> Source | None:
     if os.path.isfile(root):
         if root.endswith(_ARCHIVE_SUFFIXES):
             return Source("image_folder", root)
-        looked.append(f"{root} (a file, but not a .tar/.tar.gz/.tgz archive)")
+        looked.append(f"{root} (a file, not a {'/'.join(_ARCHIVE_SUFFIXES)} archive)")
         return None
+    looked.append(root)
     for name in cifar_names:
-        looked.append(os.path.join(root, name))
-        if os.path.exists(looked[-1]):
-            return Source("cifar_python", looked[-1])
+        if os.path.exists(os.path.join(root, name)):
+            return Source("cifar_python", os.path.join(root, name))
     if dataset == "imagenet2012":
-        tars = [os.path.join(root, name) for name in ILSVRC_TARS.values()]
-        looked.append(" and ".join(tars))
-        if any(map(os.path.isfile, tars)):
+        if any(os.path.isfile(os.path.join(root, name)) for name in ILSVRC_TARS.values()):
             return Source("ilsvrc", root)
-    prefixes = ",".join(NAME_PREFIXES[dataset])
-    named_dirs = f"{root}/{{{prefixes}}}*/" if prefixes else ""
-    looked.append(f"image folders {root}/, {named_dirs}[<dir>/]train/<class>/<image>")
     if _is_image_folder(root):
         return Source("image_folder", root, root)
-    named = [os.path.join(root, n) for n in _listdir(root) if _named_after(n, dataset)]
+    entries = [os.path.join(root, n) for n in _listdir(root)]
+    if dataset == "imagefolder":
+        # Nothing to go by but train/: one level down, as <root>/cifar10*/train is found for cifar10.
+        found = [path for path in entries if _is_image_folder(path)]
+        if len(found) > 1:
+            names = ", ".join(os.path.basename(p) + "/" for p in found)
+            raise DataError(f"{root} holds several image folders ({names}): pass the one to train on as --data-dir")
+        return Source("image_folder", found[0], found[0]) if found else None
+    named = [path for path in entries if _named_after(os.path.basename(path), dataset)]
     for path in filter(os.path.isdir, named):
         for sub in filter(_is_image_folder, [path] + [os.path.join(path, n) for n in _listdir(path)]):
             return Source("image_folder", path, sub)
-    if prefixes:
-        looked.append(f"image-folder archives {root}/{{{prefixes}}}*{{{','.join(_ARCHIVE_SUFFIXES)}}}")
     for path in filter(os.path.isfile, named):
         if path.endswith(_ARCHIVE_SUFFIXES):
             return Source("image_folder", path)
     return None
 
 
-def not_found_message(dataset: str, split: str, data_dir: str | None, looked: list[str], tfds_reason: str, downloadable: bool) -> str:
-    """The cause on a short first line, then how to provide the data, then every place looked at
-    and why tfds had nothing (lines a user reads only when the first does not say enough)."""
+# What --data-dir can be, one short line per dataset (the module docstring has the naming rules).
+_PROVIDE = {
+    "cifar10": "cifar-10-python.tar.gz or cifar-10-batches-py/, or an image folder <dir>/{train,test}/<class>/*.jpg",
+    "cifar100": "cifar-100-python.tar.gz or cifar-100-python/, or an image folder <dir>/{train,test}/<class>/*.jpg",
+    "imagenet2012": "a directory with ILSVRC2012_img_{train,val}.tar, or an image folder <dir>/{train,val}/<class>/*.jpg",
+    "imagefolder": "an image folder <dir>/{train,test}/<class>/*.jpg, a directory holding one, or its .tar/.tar.gz",
+}
+
+
+def not_found_message(dataset: str, split: str, data_dir: str | None, looked: list[str], tfds_reason: str | None,
+                      downloadable: bool) -> str:  # fmt: skip
+    """Three short lines: the cause, the places looked in (and why tfds had nothing, where it was
+    asked), then what --data-dir can be. Only paths make a line long."""
+    download = "; without --data-dir it is downloaded" if downloadable else ""
     if data_dir is None:
         cause = f"No {dataset} '{split}' data in tfds' manual dir or the download directory"
     elif not os.path.exists(os.path.expanduser(data_dir)):
-        cause = f"No {dataset} '{split}' data: --data-dir {data_dir} does not exist"
+        cause = f"No {dataset} '{split}' data: --data-dir {data_dir} does not exist{download}"
     else:
-        cause = f"No {dataset} '{split}' data found in --data-dir {data_dir}"
-    cifar = "the {} python archive {} (https://www.cs.toronto.edu/~kriz/cifar.html) or its extracted {}/, "
-    provide = {
-        "cifar10": cifar.format("CIFAR-10", "cifar-10-python.tar.gz", "cifar-10-batches-py"),
-        "cifar100": cifar.format("CIFAR-100", "cifar-100-python.tar.gz", "cifar-100-python"),
-        "imagenet2012": "a directory holding ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
-        "(tfds' manual_dir layout; <dir>/downloads/manual also works), ",
-        "imagefolder": "",
-    }[dataset]
-    download = "; without --data-dir, CIFAR is downloaded" if downloadable else ""
-    return (
-        f"{cause}.\n"
-        f"  To provide it, pass --data-dir with {provide}or an image folder <root>/train/<class>/*.jpg and "
-        f"<root>/test/<class>/*.jpg as a directory or a .tar/.tar.gz archive (<root> may be one level down "
-        f"inside it; labels are the alphabetical class index){download}.\n"
-        f"  Looked at: {'; '.join(looked)}; tfds: {tfds_reason}."
-    )
+        cause = f"No {dataset} '{split}' data found in --data-dir {data_dir}{download}"
+    tfds = f"; tfds: {tfds_reason}" if tfds_reason else ""
+    return f"{cause}.\n  Looked in {', '.join(looked)}{tfds}.\n  Pass --data-dir {_PROVIDE[dataset]}."
 
 
 def _named_after(name: str, dataset: str) -> bool:
@@ -242,11 +245,11 @@ def _read_ilsvrc(root: str, split: str, classes: list[str]) -> Iterator[Chunk]:
     if split == "test":
         # Line k of tfds' file labels ILSVRC2012_val_{k+1:08d}.JPEG (images sorted by name).
         val_wnids = _tfds_imagenet_file("validation_labels.txt")
-        for chunk in _chunks_of(_tar_images(path), "test"):
+        for chunk in _chunks_of(((n, blob, f"{n} in {path}") for n, blob in _tar_images(path)), "test"):
             chunk.labels = [index[val_wnids[int(re.findall(r"\d+", n)[-1]) - 1]] for n in chunk.labels]
             yield chunk
         return
-    def train_images() -> Iterator[tuple[str, bytes]]:
+    def train_images() -> Iterator[tuple[int, bytes, str]]:
         with _open_tar(path) as outer:
             for member in outer:
                 if member.isfile() and member.name.endswith(".tar"):
@@ -255,7 +258,7 @@ def _read_ilsvrc(root: str, split: str, classes: list[str]) -> Iterator[Chunk]:
                     with tarfile.open(fileobj=inner, mode="r|") as class_tar:
                         for image in class_tar:
                             if image.isfile():
-                                yield index[wnid], class_tar.extractfile(image).read()
+                                yield index[wnid], class_tar.extractfile(image).read(), f"{member.name}/{image.name} in {path}"
 
     yield from _chunks_of(train_images(), "train")
 
@@ -277,16 +280,18 @@ def _tar_images(path: str) -> Iterator[tuple[str, bytes]]:
                 yield member.name, tar.extractfile(member).read()
 
 
-def _chunks_of(items: Iterator[tuple[Any, bytes]], split: str) -> Iterator[Chunk]:
-    labels, images = [], []
-    for label, blob in items:
-        labels.append(label)
-        images.append(blob)
-        if len(images) == CHUNK:
-            yield Chunk(split, labels, images)
-            labels, images = [], []
-    if images:
-        yield Chunk(split, labels, images)
+def _chunks_of(items: Iterator[tuple[Any, bytes, str]], split: str) -> Iterator[Chunk]:
+    """Chunks of ``(label, encoded image, its name)`` items."""
+    chunk = Chunk(split, [], [])
+    for label, blob, name in items:
+        chunk.labels.append(label)
+        chunk.images.append(blob)
+        chunk.names.append(name)
+        if len(chunk.images) == CHUNK:
+            yield chunk
+            chunk = Chunk(split, [], [])
+    if chunk.images:
+        yield chunk
 
 
 def _read_folder_archive(path: str, classes: list[str]) -> Iterator[Chunk]:
@@ -311,6 +316,7 @@ def _read_folder_archive(path: str, classes: list[str]) -> Iterator[Chunk]:
         chunk = pending.setdefault(split_dir, Chunk(split_dir, [], []))
         chunk.labels.append(class_name)
         chunk.images.append(blob)
+        chunk.names.append(f"{name} in {path}")
         if len(chunk.images) == CHUNK:
             yield pending.pop(split_dir)
     yield from pending.values()
@@ -335,7 +341,7 @@ def _read_folder_dir(root: str, split: str, classes: list[str]) -> Iterator[Chun
         with open(path, "rb") as f:
             return f.read()
 
-    yield from _chunks_of(((label, read(path)) for label, path in bar), split)
+    yield from _chunks_of(((label, read(path), path) for label, path in bar), split)
 
 
 class _ProgressFile(io.RawIOBase):

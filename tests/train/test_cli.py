@@ -176,9 +176,11 @@ def test_download_failure_is_one_line_and_leaves_no_checkpoints(tmp_path):
     done = run_cli("train.cifar", "--sparsity", "0.7", "--workdir", str(tmp_path / "run"), home=tmp_path, BSR_JAX_CIFAR_MIRROR=mirror)
     assert done.returncode == 2, done.stderr
     lines = ours(done.stderr)
-    assert len(lines) == 2, done.stderr
+    assert len(lines) == 3, done.stderr  # the cause, where it looked, what to do offline
     assert lines[0].startswith(f"train.cifar: could not download CIFAR-10 from {mirror}cifar-10-python.tar.gz: ")
-    assert "--data-dir" in lines[1] and "image folder train/<class>/*.jpg" in lines[1]
+    assert lines[1] == (f"  Looked in {tmp_path / 'tfds' / 'downloads' / 'manual'} (does not exist), "
+                        f"{tmp_path / 'home' / '.cache' / 'bsr_jax' / 'downloads'} (does not exist) first.")  # fmt: skip
+    assert "--data-dir cifar-10-python.tar.gz" in lines[2] and "image folder" in lines[2]
     assert not (tmp_path / "run").exists()  # a failed run leaves no empty workdir or checkpoints/
 
 

@@ -102,10 +102,45 @@ def test_an_image_size_the_stored_images_cannot_give_is_refused(flags, advice, c
 def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    for data_dir, cause in ((empty, f"No cifar10 'train' data found in --data-dir {empty}."),
-                            (tmp_path / "missing", f"No cifar10 'train' data: --data-dir {tmp_path / 'missing'} does not exist.")):  # fmt: skip
-        line = refused(run_cli("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"), home=tmp_path), lines=3)
+    download = "; without --data-dir it is downloaded."
+    for data_dir, cause in ((empty, f"No cifar10 'train' data found in --data-dir {empty}{download}"),
+                            (tmp_path / "missing", f"No cifar10 'train' data: --data-dir {tmp_path / 'missing'} does not exist{download}"),
+                            # the README's first command, without the archive: a file name, not a directory
+                            (tmp_path / "cifar-10-python.tar.gz", f"No cifar10 'train' data: --data-dir {tmp_path / 'cifar-10-python.tar.gz'} "
+                                                                  f"does not exist{download}")):  # fmt: skip
+        done = run_cli("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"), home=tmp_path)
+        line = refused(done, lines=3)
         assert line == f"train.cifar: {cause}"
+        lines = ours(done.stderr)
+        assert len(lines) == 3 and all(len(n.replace(str(data_dir), "")) <= 120 for n in lines), lines  # short, but for paths
+        assert lines[1].startswith(f"  Looked in {data_dir}") and lines[2].startswith("  Pass --data-dir cifar-10-python.tar.gz ")
+        if data_dir != empty:  # a missing path is not searched as a directory
+            assert lines[1] == f"  Looked in {data_dir} (does not exist)."
+
+
+def test_a_corrupt_image_names_the_file(tmp_path):
+    folder = tmp_path / "imgs"
+    for split, count in (("train", 8), ("test", 4)):
+        for i in range(count):
+            (folder / split / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(folder / split / f"c{i % 2}" / f"{i}.jpg")
+    bad = folder / "train" / "c1" / "3.jpg"
+    bad.write_bytes(bad.read_bytes()[:100])  # truncated
+    line = refused(run_cli("train.cifar", *small_run(folder, tmp_path, "--dataset", "imagefolder"), home=tmp_path))
+    assert line.startswith(f"train.cifar: cannot read image {bad}: ")
+    assert line.endswith(" (a truncated or corrupt image? replace or delete it)")
+
+
+def test_a_folder_with_two_classes_is_not_cifar10(tmp_path):
+    folder = tmp_path / "cats_and_dogs"
+    for split, count in (("train", 8), ("test", 4)):
+        for i in range(count):
+            (folder / split / ("cat", "dog")[i % 2]).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((32, 32, 3), i, np.uint8)).save(folder / split / ("cat", "dog")[i % 2] / f"{i}.png")
+    line = refused(run_cli("train.cifar", *small_run(folder, tmp_path), home=tmp_path))
+    assert line == (f"train.cifar: {folder} has 2 classes, but cifar10 has 10: pass --dataset imagefolder to train on it "
+                    "as it is, or point --data-dir at the dataset")  # fmt: skip
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("flags, line", [

@@ -109,7 +109,7 @@ def test_corrupt_download_is_rejected_and_removed(isolated_env, cifar_archive, m
         with pytest.raises(data.DataError) as info:
             data.load_split("cifar10", "train", cache_dir=str(cache))
     message = str(info.value)
-    cause, remedy = message.splitlines()
+    cause, _, remedy = message.splitlines()
     assert cause.startswith(f"could not download CIFAR-10 from {server.url}{NAME}: its MD5 is ") and "--data-dir" in remedy
     assert sorted(p.name for p in (cache / "downloads").iterdir()) == []  # nothing half-trusted is kept
 
@@ -121,7 +121,11 @@ def test_no_network_is_the_cause_then_how_to_pass_data_dir(isolated_env, monkeyp
         data.load_split("cifar10", "train", cache_dir=str(isolated_env / "cache"))
     message = str(info.value)
     assert message.startswith(f"could not download CIFAR-10 from {url}{NAME}: ")
-    cause, remedy = message.splitlines()
+    cause, looked, remedy = message.splitlines()
     assert "refused" in cause.lower() and "--data-dir" in remedy and "image folder" in remedy
+    # Where it looked before downloading: tfds' manual dir, then the download directory.
+    manual, downloads = isolated_env / "tfds" / "downloads" / "manual", isolated_env / "cache" / "downloads"
+    assert looked == f"  Looked in {manual} (does not exist), {downloads} (does not exist) first."
+    assert remedy == f"  Offline: pass --data-dir {NAME} from elsewhere, or an image folder; or set ${download.MIRROR_VAR}."
     with pytest.raises(data.DataNotFoundError):  # with --data-dir nothing is downloaded
         data.load_split("cifar10", "train", data_dir=str(isolated_env), cache_dir=str(isolated_env / "cache"))
