@@ -6,7 +6,8 @@ them), and, for each one, finds the forward equation that produced it and the ba
 that read it. Module paths come from the name stack Flax (linen's named scopes) records in each
 equation's source info, with JAX's transform wrappers (``jvp(...)``, ``transpose(...)``) and the
 linen root's class name removed, so they are the paths rules and ``pruning_plan`` use (a nested
-``submodule.apply`` included: ``lm_head``); arrays produced outside any module have the path ``""``.
+``submodule.apply`` included: ``lm_head``); arrays produced outside any submodule, by the loss
+function or by the root module's own code, have the path ``""`` (printed as ``(top level)``).
 NNX modules record no name stack: while the report traces, each NNX module called under the
 outermost one (the root) gets its attribute path as name stack (``layers/0/mlp``:
 ``rules.nnx_module_paths``, the paths ``compress_model``'s rules match). Module copies an NNX
@@ -46,6 +47,9 @@ from bsr_jax.memory import MIB, _aval_bytes
 from bsr_jax.rules import nnx_module_paths
 
 KINDS = ("parameter", "input", "shared", "compressed", "dense")
+# How format() prints the path "": computed (or read) outside any submodule, by the loss function
+# itself or by the root module's own code (e.g. an activation called in its __call__).
+TOP_LEVEL = "(top level)"
 # Primitives that only relabel, reshape or repack their input: a compressed array stays compressed
 # through them (e.g. a view of the kept blocks, or compress_model's stop_gradient on them).
 _VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p", "stop_gradient", "optimization_barrier"})
@@ -91,8 +95,9 @@ class ResidualReport:
         return grouped
 
     def format(self, *, group: bool = True) -> str:
-        """A text table; ``group=True``: one line per (module path, kind), else one per array."""
-        width = max([len(r.path) for r in self.rows] + [len("module path")])
+        """A text table; ``group=True``: one line per (module path, kind), else one per array. Path
+        ``""`` (outside any submodule) prints as ``TOP_LEVEL``, with a line saying what that is."""
+        width = max([len(r.path or TOP_LEVEL) for r in self.rows] + [len("module path")])
         lines = [f"{'module path':<{width}} {'kind':<10} {'arrays':>6} {'KiB':>10}  shapes -> read by"]
         groups: dict[tuple[str, str], list[ReportRow]] = {}
         for r in self.rows:
@@ -103,9 +108,11 @@ class ResidualReport:
                 text = f"{r.dtype}[{','.join(map(str, r.shape))}]"
                 shapes[text] = shapes.get(text, 0) + 1
             shape_text = ", ".join(f"{n}x {s}" if n > 1 else s for s, n in shapes.items())
-            readers = sorted({reader or "-" for r in rows for reader in r.readers})
+            readers = sorted({reader or TOP_LEVEL for r in rows for reader in r.readers})
             nbytes = sum(r.nbytes for r in rows)
-            lines.append(f"{path or '-':<{width}} {kind:<10} {len(rows):>6} {nbytes / 1024:>10.1f}  {shape_text} -> {', '.join(readers) or '-'}")
+            lines.append(f"{path or TOP_LEVEL:<{width}} {kind:<10} {len(rows):>6} {nbytes / 1024:>10.1f}  {shape_text} -> {', '.join(readers) or '-'}")
+        if any(r.path == "" or "" in r.readers for r in self.rows):
+            lines.append(f"{TOP_LEVEL}: made or read outside every submodule: by the loss function itself or the root module's own code")
         totals = self.totals()
         lines.append(", ".join(f"{kind} {totals[kind] / MIB:.3f}" for kind in KINDS) + f"; total {self.total / MIB:.3f} MiB")
         return "\n".join(lines)

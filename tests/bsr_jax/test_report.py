@@ -83,10 +83,33 @@ def test_format_groups_by_path_and_kind():
     text = str(report)
     assert text == report.format()
     lines = text.splitlines()
-    assert len(lines) == 1 + len(report.by_path()) + 1
+    legend = any(r.path == "" or "" in r.readers for r in report.rows)  # the "(top level): ..." line
+    assert len(lines) == 1 + len(report.by_path()) + legend + 1
     assert any(line.startswith("Dense_0") and " compressed " in line for line in lines)
     assert lines[-1].endswith(f"total {report.total / 2**20:.3f} MiB")
-    assert len(report.format(group=False).splitlines()) == 1 + len(report.rows) + 1
+    assert len(report.format(group=False).splitlines()) == 1 + len(report.rows) + legend + 1
+
+
+def test_arrays_outside_every_submodule_print_as_top_level_with_what_that_is():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(jnp.tanh(nn.Dense(8, name="fc")(x)))  # tanh: the root's own
+
+    model, x = Net(), jnp.ones((2, 6))
+    params = model.init(jax.random.key(0), x)
+    report = residual_report(lambda p, x: jnp.sum(model.apply(p, x) ** 2), params, x)
+    # The root's tanh output (read by head's dW) and the logits (read by the loss's own square).
+    top_rows = [r for r in report.rows if r.path == ""]
+    assert {r.shape for r in top_rows} == {(2, 4), (2, 8)}
+    for group in (True, False):
+        lines = report.format(group=group).splitlines()
+        top = [line for line in lines if line.startswith("(top level) ")]
+        assert len(top) == (len({r.kind for r in top_rows}) if group else len(top_rows))
+        assert not any(line.startswith("- ") or " -> -" in line or ", -" in line for line in lines)
+        assert lines[-2] == (
+            "(top level): made or read outside every submodule: by the loss function itself or the root module's own code"
+        )
 
 
 def test_lean_vit_keeps_no_attention_probabilities_per_the_report():
