@@ -19,8 +19,9 @@ settings whose compiled training step needs at most ``budget`` of the dense step
   -m benchmarks.pareto runs/long docs/results``; a test keeps the two equal). Dense's own two seeds
   end 1.8 points apart, so only same-seed gaps of a few tenths resolve anything.
 
-Step time is not a criterion (docs/RESULTS.md section 4.2: on CPU the int4 step takes 0.78-0.90x of
-dense's; XLA:TPU models it at several times dense's).
+Step time is not a criterion (docs/RESULTS.md section 4.2: on CPU the int4 gradient step takes
+0.78-0.84x of dense's for the tiny ResMLP and 0.88-0.90x for ResMLP-S12; XLA:TPU models it at
+several times dense's).
 """
 
 from __future__ import annotations

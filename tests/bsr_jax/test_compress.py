@@ -101,6 +101,24 @@ def test_nnx_model():
     assert not np.allclose(grads["fc1"]["kernel"][...], dense_grads["fc1"]["kernel"][...], rtol=1e-4)
 
 
+def test_nnx_model_is_changed_in_place_and_a_linen_model_is_not():
+    # What the README says: the NNX model passed compresses from then on; a linen one is copied.
+    c = tpm.ISSUE
+    model, x = tpm.nnx_mlp(c), tpm.features(c)
+    loss = lambda m: jnp.sum(m(x) ** 2)  # noqa: E731
+    dense_fc1 = nnx.grad(loss)(model)["fc1"]["kernel"][...]
+    assert compress_model(model, PRUNE) is model
+    assert not np.allclose(nnx.grad(loss)(model)["fc1"]["kernel"][...], dense_fc1, rtol=1e-4)
+
+    linen, xs = _Named(), jnp.ones((8, 16, 32))
+    params = linen.init(jax.random.key(0), xs)
+    before = bsr_jax.residual_bytes(lambda p: jnp.sum(linen.apply(p, xs) ** 2), params).activations
+    compressed = compress_model(linen, PRUNE)
+    assert compressed is not linen and type(linen) is _Named
+    assert bsr_jax.residual_bytes(lambda p: jnp.sum(linen.apply(p, xs) ** 2), params).activations == before
+    assert bsr_jax.residual_bytes(lambda p: jnp.sum(compressed.apply(p, xs) ** 2), params).activations < before
+
+
 class _ThreeHeads(nn.Module):
     """q, k and v read one array, as attention projections do."""
 
