@@ -3,9 +3,10 @@
 XLA's GPU and TPU compilers run on the host without an accelerator. Compiled for a topology
 description, a jitted step gets the buffer plan the accelerator would run: its peak is what a
 device must hold, after XLA's fusion, rematerialisation and scheduling (which a jaxpr's residuals
-do not see). ``compiled_memory(step, *args, target="h100")`` returns it with the FLOPs, the TPU's
-modelled step time and, with ``breakdown=True``, the buffers live at the peak by the op that
-produced them (module paths come from the ops' names). See docs/memory.md.
+do not see). ``compiled_memory(step, *args, target="h100")`` returns it with the FLOPs, a modelled
+step time (XLA:TPU's own cost model on TPU; a per-kernel roofline over the optimized HLO on H100,
+``bsr_jax.roofline``) and, with ``breakdown=True``, the buffers live at the peak and the costliest
+kernels, by the op that produced them (module paths come from the ops' names). See docs/memory.md.
 
 Targets (``TARGETS``) need ``JAX_PLATFORMS=cpu`` (or another list without cuda) set before jax
 starts on a machine without a GPU, and the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
@@ -28,6 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bsr_jax import roofline as roofline_lib
 
 # The H100 SXM device description (the form of XLA's xla/tools/hlo_opt/gpu_specs).
 H100_CONFIG = os.path.join(os.path.dirname(__file__), "h100_sxm.txtpb")
@@ -122,9 +125,15 @@ class CompiledStep:
     """A compiled function's memory plan and cost, in bytes, FLOPs and seconds.
 
     ``peak`` is XLA's own peak (arguments, outputs and temporaries as its heap places them: tile
-    padding and the gaps its packing leaves included); ``flops`` is None where the compiler reports
-    none (XLA:GPU); ``optimal_seconds`` is XLA:TPU's modelled step time (None elsewhere, and where
-    its cost model cannot time the program). With a breakdown: ``live_at_peak`` lists the buffers
+    padding and the gaps its packing leaves included); ``flops`` is the compiler's count, or where it
+    reports none (XLA:GPU) the roofline's count of matmul and convolution FLOPs;
+    ``optimal_seconds`` is XLA:TPU's modelled step time (None elsewhere, and where its cost model
+    cannot time the program). ``modelled_seconds`` is the step time to compare settings by on the
+    target: ``optimal_seconds`` on TPU, the roofline's (``roofline_seconds``) on H100; None on the
+    host. ``roofline_seconds`` is the per-kernel roofline of the optimized HLO with the target's
+    figures (``bsr_jax.roofline``), on TPU too, where it checks the method against XLA's own model.
+    With a breakdown: ``kernels`` are the costliest kernels of the roofline (ten, costliest first,
+    ``by_module`` names their modules), ``live_at_peak`` lists the buffers
     live at the busiest point of XLA's live-range analysis, largest first, and ``live_peak`` is
     their sum in the arrays' own (unpadded) sizes. The two peaks are counted differently: on XLA:TPU
     ``peak`` also holds tile padding and the gaps the heap's packing leaves, and they differ either
@@ -139,8 +148,11 @@ class CompiledStep:
     aliased: int
     flops: float | None
     optimal_seconds: float | None
+    modelled_seconds: float | None = None
+    roofline_seconds: float | None = None
     live_at_peak: tuple[LiveBuffer, ...] = ()
     live_peak: int | None = None
+    kernels: tuple[roofline_lib.Kernel, ...] = ()
 
     def by_module(self, depth: int = 2) -> dict[str, int]:
         """Live-at-peak bytes summed by the first ``depth`` components of each op's module path
@@ -182,7 +194,8 @@ def _live_at_peak(dump_dir: str) -> tuple[tuple[LiveBuffer, ...], int | None]:
     dumps = glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt"))
     if not dumps:
         raise RuntimeError(f"XLA wrote no live-range dump in {dump_dir}: no breakdown for this target")
-    text = open(max(dumps, key=os.path.getsize)).read()
+    with open(max(dumps, key=os.path.getsize)) as f:
+        text = f.read()
     section = text[text.index("Stack trace breakdown") :] if "Stack trace breakdown" in text else ""
     found = [LiveBuffer(m.group(1).removeprefix("jit(").split(")/", 1)[-1], int(re.sub(r"\D", "", m.group(2))))
              for m in _LIVE.finditer(section)]
@@ -203,6 +216,8 @@ def compile_for(
     ``options`` are extra XLA compile options. Read the program with ``.as_text()``."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
     if target != "host":
         args = _placed(args, target_mesh(target, devices))
@@ -230,7 +245,7 @@ def compiled_memory(
       donate_argnums: arguments whose buffers the step may reuse (params and optimizer state of a
         training step), as ``jax.jit``'s.
       breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
-        directory).
+        directory) and the ten costliest kernels of the roofline.
     """
     with tempfile.TemporaryDirectory() as dump_dir:
         options = {"xla_dump_to": dump_dir} if breakdown else {}
@@ -239,14 +254,19 @@ def compiled_memory(
     memory = CompiledMemory.of(compiled)
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
+    # XLA:TPU reports a negative time for programs its cost model cannot time.
+    optimal = seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None
+    modelled = roofline_lib.roofline(compiled.as_text(), target) if target in roofline_lib.HARDWARE else None
     return CompiledStep(
         target=target,
         # XLA's own peak as scheduled where it reports one; else the bound CompiledMemory gives.
         peak=int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)) or memory.peak,
         **{f.name: getattr(memory, f.name) for f in dataclasses.fields(CompiledMemory)},
-        flops=cost.get("flops"),
-        # XLA:TPU reports a negative time for programs its cost model cannot time.
-        optimal_seconds=seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None,
+        flops=cost.get("flops", modelled.flops if modelled else None),
+        optimal_seconds=optimal,
+        modelled_seconds=optimal if target.startswith("tpu") else modelled and modelled.seconds,
+        roofline_seconds=modelled and modelled.seconds,
         live_at_peak=live,
         live_peak=live_peak,
+        kernels=modelled.top(10) if breakdown and modelled else (),
     )

@@ -5,12 +5,18 @@ Kernels take plain arrays: kept blocks ``values (cap, bm, bk)`` plus int32 index
 Pallas interpreter (slow; for tests).
 """
 
+from pallas_kernels import block_loop
 from pallas_kernels.bsr_matmul import bsr_matmul, bsr_matmul_reference
 from pallas_kernels.bsr_t_matmul import bsr_t_matmul, bsr_t_matmul_reference
 from pallas_kernels.layout import column_to_row_major, ids_from_ptr, ptr_from_ids
 from pallas_kernels.tiling import TILE_CONFIGS, TileConfig, tile_config_for
 
+# FLOPs of each kernel by its name, from its (values, dense) operand shapes: for cost models that
+# see only the compiled custom call (XLA:GPU's Triton calls carry no pl.CostEstimate).
+KERNEL_FLOPS = {"bsr_matmul": block_loop.flops, "bsr_t_matmul": block_loop.flops}
+
 __all__ = [
+    "KERNEL_FLOPS",
     "TILE_CONFIGS",
     "TileConfig",
     "bsr_matmul",

@@ -11,6 +11,7 @@ column axis (groups are block-rows, slabs ``bk`` rows of w). One writer per tile
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,26 @@ def _kernel(ptr_ref, ids_ref, values_ref, dense_ref, out_ref, *, contract, preci
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
+def _cost(values, dense, out, bn, contract) -> pl.CostEstimate:
+    """What the kernel does, so cost models do not take it for free: every kept block meets every
+    column of the dense operand (``2 * bm * bk * N`` FLOPs each); each program re-reads its
+    group's blocks and, per block, a ``(slab, bn)`` tile of the dense operand (no reuse across
+    programs assumed)."""
+    capacity, cols, slab = values.shape[0], dense.shape[1], values.shape[1 + contract]
+    column_tiles = cols // bn
+    nbytes = (values.size * values.dtype.itemsize * column_tiles
+              + capacity * slab * cols * dense.dtype.itemsize
+              + math.prod(out.shape) * jnp.dtype(out.dtype).itemsize)  # fmt: skip
+    return pl.CostEstimate(flops=flops(values.shape, dense.shape), transcendentals=0, bytes_accessed=int(nbytes))
+
+
+def flops(values_shape: tuple[int, ...], dense_shape: tuple[int, ...]) -> int:
+    """FLOPs of either kernel: each ``(bm, bk)`` kept block multiplies every column of the dense
+    operand. XLA:GPU's Triton custom call carries no cost estimate, so ``bsr_jax.roofline`` counts
+    the kernel's FLOPs from its operand shapes with this."""
+    return 2 * math.prod(values_shape) * dense_shape[1]
+
+
 def _launch(ptr, ids, values, dense, *, contract, bn, config, precision, out_dtype, interpret, name):
     out_rows = values.shape[2 - contract]  # bk for x.T @ dy, bm for x @ w
     groups, (rows, cols) = ptr.shape[0] - 1, dense.shape
@@ -59,6 +80,7 @@ def _launch(ptr, ids, values, dense, *, contract, bn, config, precision, out_dty
         in_specs=[whole, whole, whole, pl.BlockSpec((rows, bn), lambda i, n: (0, n))],
         out_specs=pl.BlockSpec((out_rows, bn), lambda i, n: (i, n)),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        cost_estimate=_cost(values, dense, out_shape, bn, contract),
         interpret=interpret,
         name=name,
     )(ptr, ids, values, dense)

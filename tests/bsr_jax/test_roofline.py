@@ -1,0 +1,152 @@
+"""The modelled step time (bsr_jax.roofline): its arithmetic on hand-written HLO, and on programs
+compiled deviceless for H100 and TPU v5p, against counts derived by hand from their shapes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import bsr_jax
+from bsr_jax import roofline as rl
+from bsr_jax.compiled import compiled_memory
+
+# Round numbers make every expected time a hand computation: 1 GB/s, 1 GFLOP/s, 1 s a launch.
+TOY = rl.Hardware("toy", hbm_bytes_per_s=1e9, matmul_flops={"bf16": 2e9}, default_flops=1e9, launch_s=1.0, host_bytes_per_s=1e8)
+
+ELEMENTWISE = """HloModule m
+
+%fused_add (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
+  %p0 = f32[1000]{0} parameter(0)
+  %p1 = f32[1000]{0} parameter(1)
+  ROOT %add.1 = f32[1000]{0} add(%p0, %p1), metadata={op_name="jit(f)/block0/add"}
+}
+
+ENTRY %main (a: f32[1000], b: f32[1000]) -> f32[1000] {
+  %a = f32[1000]{0} parameter(0)
+  %b = f32[1000]{0} parameter(1)
+  ROOT %fusion = f32[1000]{0} fusion(%a, %b), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/block0/add"}
+}
+"""
+
+
+def _matmul(dtype: str, m: int, k: int, n: int) -> str:
+    return f"""HloModule m
+
+ENTRY %main (a: {dtype}[{m},{k}], b: {dtype}[{k},{n}]) -> {dtype}[{m},{n}] {{
+  %a = {dtype}[{m},{k}]{{1,0}} parameter(0)
+  %b = {dtype}[{k},{n}]{{1,0}} parameter(1)
+  ROOT %dot = {dtype}[{m},{n}]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+
+
+def _loop(trip_annotation: bool) -> str:
+    # The body runs one fusion over f32[250] (1000 bytes in, 1000 out); the count is XLA:GPU's
+    # annotation, or (as XLA:TPU writes loops) only the condition's `i < 5`.
+    config = ', backend_config={"known_trip_count":{"n":"5"}}' if trip_annotation else ""
+    return f"""HloModule m
+
+%fused_neg (p0: f32[250]) -> f32[250] {{
+  %p0 = f32[250]{{0}} parameter(0)
+  ROOT %neg = f32[250]{{0}} negate(%p0)
+}}
+
+%body (t: (s32[], f32[250])) -> (s32[], f32[250]) {{
+  %t = (s32[], f32[250]{{0}}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[250]{{0}} get-tuple-element(%t), index=1
+  %f = f32[250]{{0}} fusion(%v), kind=kLoop, calls=%fused_neg
+  ROOT %r = (s32[], f32[250]{{0}}) tuple(%i, %f)
+}}
+
+%cond (t.1: (s32[], f32[250])) -> pred[] {{
+  %five = s32[] constant(5)
+  %t.1 = (s32[], f32[250]{{0}}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%t.1), index=0
+  ROOT %lt = pred[] compare(%i.1, %five), direction=LT
+}}
+
+ENTRY %main (x: (s32[], f32[250])) -> (s32[], f32[250]) {{
+  %x = (s32[], f32[250]{{0}}) parameter(0)
+  ROOT %w = (s32[], f32[250]{{0}}) while(%x), condition=%cond, body=%body{config}
+}}
+"""
+
+
+def test_an_elementwise_kernel_costs_its_bytes_and_one_launch():
+    r = rl.roofline(ELEMENTWISE, TOY)
+    assert r.bytes == 3 * 4000  # two operands read, one output written
+    assert r.flops == 0
+    assert r.seconds == pytest.approx(12000 / 1e9 + 1.0)
+    (kernel,) = r.kernels
+    assert (kernel.name, kernel.op, kernel.count) == ("fusion", "jit(f)/block0/add", 1)
+
+
+def test_a_matmul_costs_the_larger_of_its_bytes_and_its_flops_at_its_dtypes_peak():
+    m, k, n = 64, 128, 32
+    flops = 2 * m * k * n
+    f32 = rl.roofline(_matmul("f32", m, k, n), TOY)
+    assert f32.flops == flops
+    assert f32.bytes == 4 * (m * k + k * n + m * n)
+    assert f32.seconds == pytest.approx(max(f32.bytes / 1e9, flops / 1e9) + 1.0)  # f32: the default peak
+    bf16 = rl.roofline(_matmul("bf16", m, k, n), TOY)
+    assert bf16.seconds == pytest.approx(max(bf16.bytes / 1e9, flops / 2e9) + 1.0)  # bf16's own peak
+
+
+@pytest.mark.parametrize("annotated", [True, False])
+def test_a_loop_body_counts_once_per_trip(annotated):
+    r = rl.roofline(_loop(annotated), TOY)
+    kernels = {k.name: k for k in r.kernels}
+    assert kernels["f"].count == kernels["lt"].count == 5  # the body's fusion and the condition's test
+    assert kernels["f"].bytes == 5 * 2000
+    assert kernels["lt"].bytes == 5 * (4 + 4 + 1)  # two s32 in, a pred out
+    assert r.seconds == pytest.approx(5 * (2000 / 1e9 + 1.0) + 5 * (9 / 1e9 + 1.0))
+
+
+def test_time_is_monotone_in_bytes_and_flops():
+    small, large = rl.roofline(_matmul("f32", 64, 128, 32), TOY), rl.roofline(_matmul("f32", 64, 256, 32), TOY)
+    assert large.flops > small.flops and large.bytes > small.bytes and large.seconds > small.seconds
+    faster_memory = dataclasses.replace(TOY, hbm_bytes_per_s=2e9)
+    assert rl.roofline(ELEMENTWISE, faster_memory).seconds < rl.roofline(ELEMENTWISE, TOY).seconds
+    faster_math = dataclasses.replace(TOY, default_flops=2e9)
+    assert rl.roofline(_matmul("f32", 64, 128, 32), faster_math).seconds < small.seconds
+
+
+def test_compiled_for_h100_a_matmul_counts_its_flops_and_an_elementwise_op_its_bytes():
+    a, b = jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    step = compiled_memory(lambda a, b: a @ b, a, b, target="h100", breakdown=True)
+    assert step.flops == 2 * 512 * 256 * 1024
+    assert step.modelled_seconds == step.roofline_seconds >= 2 * 512 * 256 * 1024 / rl.H100.matmul_flops["f32"]
+    assert step.kernels and step.kernels[0].flops == step.flops
+    elementwise = compiled_memory(lambda a: jnp.tanh(a) * 2, a, target="h100", breakdown=True)
+    (kernel,) = elementwise.kernels
+    assert kernel.bytes == 2 * 512 * 256 * 4
+    assert elementwise.modelled_seconds == pytest.approx(kernel.bytes / rl.H100.hbm_bytes_per_s + rl.H100.launch_s)
+
+
+def test_on_tpu_the_modelled_time_is_xlas_own_and_the_roofline_is_beside_it():
+    a, b = jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    step = compiled_memory(lambda a, b: a @ b, a, b, target="tpu-v5p")
+    assert step.modelled_seconds == step.optimal_seconds > 0
+    assert step.roofline_seconds >= 2 * 512 * 256 * 1024 / rl.TPU_V5P.default_flops
+    host = compiled_memory(lambda a, b: a @ b, a, b)
+    assert host.modelled_seconds is None and host.roofline_seconds is None
+
+
+def test_the_pallas_weight_gradient_is_not_free_to_the_roofline():
+    """XLA:GPU's Triton call carries no cost estimate: the roofline counts the kernel's FLOPs from
+    its operand shapes, and its bytes at least those of its operands and result."""
+    x, w = jax.ShapeDtypeStruct((1024, 512), jnp.float32), jax.ShapeDtypeStruct((512, 256), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(bsr_jax.bsr_linear(x, w, sparsity=0.5, block=16, backend="pallas") ** 2)
+
+    step = compiled_memory(jax.grad(loss, argnums=1), x, w, target="h100", breakdown=True)
+    (kernel,) = [k for k in step.kernels if k.op.endswith("bsr_t_matmul/pallas_call")]
+    kept = 1024 // 16 * 512 // 16 // 2  # blocks at sparsity 0.5
+    assert kernel.flops == 2 * kept * 16 * 16 * 256
+    moved = 4 * (kept * 16 * 16 + 1024 * 256 + 512 * 256)  # kept blocks, dy, dW
+    assert kernel.bytes >= moved
+    assert kernel.seconds >= moved / rl.H100.hbm_bytes_per_s
+    assert step.modelled_seconds >= kernel.seconds
