@@ -154,7 +154,10 @@ def _block_rows(v: jax.Array, bm: int) -> jax.Array:
     one fusion. The barrier keeps the 3-D form: XLA:TPU otherwise multiplies in 2-D by a
     materialised x-sized broadcast of the scales (modelled quantize time 1.9x). Rows of one value
     stay 2-D (a unit middle axis would be padded 8x on TPU)."""
-    return v if bm == 1 else lax.optimization_barrier(v.reshape(-1, bm, v.shape[-1]))
+    if bm == 1:
+        return v
+    rows = lambda v: v.reshape(-1, bm, v.shape[-1])  # noqa: E731
+    return platforms.by_lowering_platform(rows, {"tpu": lambda v: lax.optimization_barrier(rows(v))}, v)
 
 
 def _across_columns(per_block: jax.Array, bk: int, like: jax.Array) -> jax.Array:
