@@ -2,19 +2,22 @@
 
 Each row is one model and one setting: the whole step (loss, grad, optax adamw; params and optimizer
 state donated) compiled by XLA's GPU or TPU compiler on this machine (``bsr_jax.compiled_memory``),
-with its peak, its ratio to the dense step on the same target, FLOPs and (TPU) modelled step time,
-and the five largest modules live at the peak. Results are appended to the JSON as they come, and
+with its peak, its modelled step time (XLA:TPU's own model on TPU, ``bsr_jax.roofline`` on H100,
+and the roofline on both), each as a ratio to the dense step on the same target, FLOPs, the five
+largest modules live at the peak and the ten costliest kernels; and one figure per model of peak
+vs modelled time with the Pareto front (docs/results/plane-MODEL.png). Results are appended to the JSON as they come, and
 rows already there are skipped, so an interrupted run resumes.
 
     python -m benchmarks.compiled_memory --models resmlp-s12 vit-b16 --targets h100 tpu-v5p
-    python -m benchmarks.compiled_memory --table-only       # print the table of the JSON
+    python -m benchmarks.compiled_memory --table-only       # print the table (and plots) of the JSON
 
 Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``topk-all``
 (ResMLP only: s0.7/16 on the Affine/LayerScale inputs too, ``--prune-scale-shift``); ``topk-wide``
 (s0.7 in blocks of 8 x 128, XLA:TPU's tile); ``int4`` (every
 parameter-gradient residual in int4, the recommended setting); ``lean`` (compress_model with
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
-(per block, ``dots_with_no_batch_dims_saveable``); ``remat-int4`` (int4 inside blocks remat'd with
+(per block, ``dots_with_no_batch_dims_saveable``); ``remat-dots-all`` (``dots_saveable``);
+``remat-offload`` (``offload_dot_with_no_batch_dims`` to ``pinned_host``); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
 values of a row, lane-dense as blocks on TPU); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
@@ -48,7 +51,8 @@ from train import models as train_models  # noqa: E402
 from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
-SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-int4")
+SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
+            "remat-offload", "remat-int4")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
@@ -58,7 +62,14 @@ INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
 # presets.MEASURED: named as in the accuracy study.
 PRESET_SETTINGS = {m.config: m.pruning for m in presets.MEASURED if m.config != "dense"}
 SETTINGS += tuple(PRESET_SETTINGS)
-REMAT_POLICIES = {"remat": None, "remat-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# JAX's own remat choices, per block: the competition. "remat-offload" keeps the matmul outputs
+# without batch dimensions on the host (pinned_host) instead of recomputing them.
+REMAT_POLICIES = {
+    "remat": None,
+    "remat-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "remat-dots-all": jax.checkpoint_policies.dots_saveable,
+    "remat-offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
 
 
 def _resmlp(setting: str):
@@ -161,24 +172,75 @@ def measure(name: str, setting: str, target: str) -> dict | None:
         key = re.sub(r"(?<=[a-z_])\d+(?=/)", "*", module)
         live[key] = live.get(key, 0.0) + nbytes / MIB
     top = sorted(live.items(), key=lambda kv: -kv[1])[:5]
+    kernels = [dict(op=k.op, us=k.seconds * 1e6, mib=k.bytes / MIB, gflop=k.flops / 1e9, count=k.count) for k in r.kernels]
     return dict(model=name, setting=setting, target=target, peak_mib=r.peak / MIB, temp_mib=r.temp / MIB,
-                live_peak_mib=r.live_peak / MIB, flops=r.flops, optimal_seconds=r.optimal_seconds, live_at_peak_mib=dict(top))
+                live_peak_mib=r.live_peak / MIB, flops=r.flops, optimal_seconds=r.optimal_seconds,
+                modelled_seconds=r.modelled_seconds, roofline_seconds=r.roofline_seconds, live_at_peak_mib=dict(top),
+                costliest_kernels=kernels)
 
 
 def table(rows: list[dict]) -> str:
     dense = {(r["model"], r["target"]): r for r in rows if r["setting"] == "dense"}
     # "live": the most bytes live at once in the arrays' own sizes; the peak adds tile padding and
-    # the heap's packing (rows measured before this column existed show "-").
-    lines = ["| model | target | setting | peak MiB | live MiB | vs dense | FLOPs vs dense | TPU modelled time vs dense | largest live at peak (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    # the heap's packing. "modelled": XLA:TPU's optimal_seconds on TPU, the roofline on H100; the
+    # roofline column is the same roofline on both targets (on TPU: the check of the method).
+    lines = ["| model | target | setting | peak MiB | live MiB | peak vs dense | modelled ms | time vs dense | roofline vs dense | "
+             "FLOPs vs dense | largest live at peak (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = dense.get((r["model"], r["target"]))
         ratio = lambda k: f"{r[k] / d[k]:.2f}" if d and r.get(k) and d.get(k) else "-"  # noqa: E731
         live = ", ".join(f"{k} {v:.0f}" for k, v in list(r["live_at_peak_mib"].items())[:3])
         live_peak = f"{r['live_peak_mib']:.0f}" if r.get("live_peak_mib") else "-"
+        modelled = f"{r['modelled_seconds'] * 1e3:.2f}" if r.get("modelled_seconds") else "-"
         lines.append(f"| {r['model']} | {r['target']} | {r['setting']} | {r['peak_mib']:.0f} | {live_peak} | {ratio('peak_mib')} | "
-                     f"{ratio('flops')} | {ratio('optimal_seconds')} | {live} |")
+                     f"{modelled} | {ratio('modelled_seconds')} | {ratio('roofline_seconds')} | {ratio('flops')} | {live} |")
     return "\n".join(lines)
+
+
+def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The points no other point beats on both peak and time (lower is better), by peak."""
+    front, best_time = [], float("inf")
+    for p in sorted(points):
+        if p[1] < best_time:
+            front.append(p)
+            best_time = p[1]
+    return front
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    """One figure per model: peak vs modelled time, each as a fraction of dense's on its target,
+    both targets, the Pareto front of each target drawn through its points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = {(r["model"], r["target"]): r for r in rows if r["setting"] == "dense"}
+    written = []
+    for name in sorted({r["model"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for target, color in zip(DEVICELESS_TARGETS, ("tab:green", "tab:blue")):
+            d = dense.get((name, target))
+            points = [(r["peak_mib"] / d["peak_mib"], r["modelled_seconds"] / d["modelled_seconds"], r["setting"])
+                      for r in rows if d and r["model"] == name and r["target"] == target and r.get("modelled_seconds")]
+            if not points:
+                continue
+            ax.scatter([p[0] for p in points], [p[1] for p in points], color=color, label=target, s=18)
+            for x, y, label in points:
+                ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=color)
+            front = pareto(points)
+            ax.plot([p[0] for p in front], [p[1] for p in front], color=color, lw=1, ls="--")
+        ax.set_xlabel("compiled peak / dense peak")
+        ax.set_ylabel("modelled step time / dense (H100: roofline; TPU v5p: XLA)")
+        ax.set_title(f"{name}: full adamw step, deviceless (dashed: Pareto front)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = os.path.join(out_dir, f"plane-{name}.png")
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def main(argv=None) -> None:
@@ -188,11 +250,13 @@ def main(argv=None) -> None:
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
+    parser.add_argument("--plots", default="docs/results", help="where the peak-vs-time figure of each model goes")
     args = parser.parse_args(argv)
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
     if not args.table_only:
         meta = run_metadata()
-        done = {(r["model"], r["setting"], r["target"]) for r in saved["runs"]}
+        # Rows measured before the modelled time existed are measured again and replaced.
+        done = {(r["model"], r["setting"], r["target"]) for r in saved["runs"] if "modelled_seconds" in r}
         for name in args.models:
             for target in args.targets:
                 for setting in args.settings:
@@ -203,12 +267,15 @@ def main(argv=None) -> None:
                     if row is None:
                         continue
                     row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
-                    saved["runs"].append(row)
+                    key = (name, setting, target)
+                    saved["runs"] = [r for r in saved["runs"] if (r["model"], r["setting"], r["target"]) != key] + [row]
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                     with open(args.out, "w") as f:
                         json.dump(saved, f, indent=1)
         print(footer(meta))
     print(table(saved["runs"]))
+    for path in plot(saved["runs"], args.plots):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
