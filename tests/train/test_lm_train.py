@@ -1,0 +1,121 @@
+"""python -m train.lm end to end on a small real corpus (a stdlib package, as bytes): the loss
+falls, --resume is bit-identical, compression runs through scanned + remat'd layers, errors are one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from train import lm, run_dir
+from train.lm_config import LMConfig
+from train.lm_data import stdlib_root
+from train.lm_loop import train_and_evaluate
+
+CORPUS = os.path.join(stdlib_root(), "email")  # ~30 files, 0.5 MB of real Python
+TINY = LMConfig(data_dir=CORPUS, val_fraction=0.2, tokenizer="bytes", dim=32, depth=2, heads=2, seq_len=16, batch_size=8,
+                steps=40, warmup_steps=4, lr=1e-2, min_lr=1e-3, eval_every=40, eval_windows=16, log_every=10)  # fmt: skip
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BSR_JAX_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """JAX's persistent compilation cache in ``tmp_path`` for the test: runs of one config in one
+    test compile their (identical) step once; the int4 scanned step takes ~10 s to compile on 2 cores."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+    previous = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (str(tmp_path / "xla"), 0.0, 0)):
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def kinds(workdir, kind):
+    return [r for r in run_dir.read_records(str(workdir)) if r["kind"] == kind]
+
+
+def test_a_few_real_steps_lower_the_loss(cache):
+    workdir = cache / "run"
+    result = train_and_evaluate(TINY, str(workdir))
+    train = kinds(workdir, "train")
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.7 and train[0]["loss"] < np.log(257) + 0.3
+    assert all(r["tokens_per_s"] > 0 for r in train[1:])
+    (evaluation,) = kinds(workdir, "eval")
+    assert evaluation["val_loss"] < 3.5 and evaluation["val_bits_per_byte"] > 0
+    saved = json.load(open(workdir / "config.json"))
+    corpus = saved["run"]["corpus"]
+    assert corpus["source"] == "data_dir" and len(corpus["content_hash"]) == 64 and corpus["python"].startswith("3.")
+    assert LMConfig.from_json(saved["config"]) == TINY
+    assert result["summary"]["final_val_loss"] == evaluation["val_loss"] and result["stopped_by"] is None
+    assert run_dir.latest_checkpoint_step(str(workdir)) == 40
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")  # the test's own restore, without a target
+def test_resume_is_bit_identical_with_compressed_scanned_remat_layers(cache, compilation_cache):
+    # Stochastic int4 rounding: the resumed steps must also draw the same pruning keys.
+    config = dataclasses.replace(TINY, steps=6, log_every=1, eval_every=3, scan=True, remat=True, storage_dtype="int4",
+                                 rounding="stochastic", block=8)  # fmt: skip
+    whole, parts = cache / "whole", cache / "parts"
+    train_and_evaluate(config, str(whole))
+    stopped = train_and_evaluate(dataclasses.replace(config, stop_at=4), str(parts))
+    assert stopped["step"] == 4
+    resumed = train_and_evaluate(dataclasses.replace(config, resume=True), str(parts))
+    assert resumed["step"] == 6
+    losses = lambda w, kind, key: [(r["step"], r[key]) for r in kinds(w, kind)]
+    assert losses(parts, "train", "loss") == losses(whole, "train", "loss")  # every step's loss, bit for bit
+    # The stopped run also evaluated where it stopped (step 4); the others are the same.
+    assert [e for e in losses(parts, "eval", "val_loss") if e[0] != 4] == losses(whole, "eval", "val_loss")
+    read = lambda w: ocp.PyTreeCheckpointer().restore(os.path.join(run_dir.checkpoint_dir(str(w)), "6", "default"))
+    a, b = read(whole), read(parts)
+    for x, y in zip(*(jax_leaves(t) for t in (a, b))):
+        np.testing.assert_array_equal(x, y)
+    # Resuming a finished run does nothing.
+    assert train_and_evaluate(dataclasses.replace(config, resume=True), str(parts))["summary"] is None
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def one_line_error(capsys, argv, code=2) -> str:
+    try:
+        assert lm.main(argv) == code
+    except SystemExit as exit:
+        assert exit.code == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train.lm: "), err
+    return err
+
+
+def test_cli_errors_are_one_line(cache, capsys):
+    workdir = str(cache / "run")
+    assert "--sparsity" in one_line_error(capsys, ["--sparsity", "1.5", "--workdir", workdir])
+    assert "--model" in one_line_error(capsys, ["--model", "huge", "--workdir", workdir])
+    assert "stochastic" in one_line_error(capsys, ["--rounding", "stochastic", "--workdir", workdir])
+    assert "nothing to resume" in one_line_error(capsys, ["--resume", "--workdir", workdir])
+    assert "not a folder" in one_line_error(capsys, ["--data-dir", str(cache / "missing"), "--workdir", workdir])
+    tiny = ["--data-dir", CORPUS, "--val-fraction", "0.2", "--tokenizer", "bytes", "--dim", "32", "--depth", "2", "--heads", "2",
+            "--seq-len", "16", "--workdir", workdir]  # fmt: skip
+    err = one_line_error(capsys, [*tiny, "--layer-sparsity", "layer_*/mlp/nope=0.5"])
+    assert "layer_0/mlp/down" in err  # names the model's layers
+    assert "--batch-size" in one_line_error(capsys, [*tiny, "--batch-size", "100000"])
+    assert "--heads" in one_line_error(capsys, [*tiny, "--heads", "3"])
+    assert not os.path.exists(workdir) or not os.listdir(workdir)

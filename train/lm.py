@@ -1,0 +1,42 @@
+"""Train a decoder-only transformer LM on real text with compressed activation residuals.
+
+Example: python -m train.lm --steps 200                    (the cpu preset, ~6M params, on 2 CPU cores)
+         python -m train.lm --storage-dtype int4 --block 16 (every linear's residual in int4 blocks)
+The text is this Python's own standard library (its *.py files; 5% of them, by path hash, held out
+for validation), tokenized by a byte-level BPE of 8192 tokens trained on the training files and
+cached (~/.cache/bsr_jax/lm); --data-dir reads any folder of text files instead, --tokenizer bytes
+uses UTF-8 bytes. Layers stack as a Python loop or (--scan) with nn.scan, optionally under
+nn.remat (--remat); every linear layer is compressed through bsr_jax.compress_model.
+Exit codes: 0 done, 2 a bad flag or unreadable data (one line on stderr), 128 + signal when
+SIGINT/SIGTERM stopped it after a checkpoint (--resume continues it bit for bit).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+PROG = "train.lm"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one training; returns the process exit code (see the module docstring)."""
+    from train.lm_config import UsageError, parse
+
+    config, workdir, overrides = parse(PROG, __doc__, argv)
+    if config.resume and overrides:
+        print(f"{PROG}: resuming {workdir} with its config.json, changing {', '.join(overrides)}")
+    # Imported after parsing, so --help and flag errors do not wait for JAX to start.
+    from train.data_sources import DataError
+    from train.lm_loop import train_and_evaluate
+
+    try:
+        result = train_and_evaluate(config, workdir)
+    except (DataError, UsageError) as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
+    return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

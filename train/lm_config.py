@@ -1,0 +1,256 @@
+"""``python -m train.lm``'s configuration: one frozen dataclass and its flags (``--batch-size`` ->
+``batch_size``), as ``train.config`` does for the image CLIs; with ``--resume`` the run's own
+``config.json`` is the config and flags may only change the ``RESUME_OVERRIDES``.
+
+Nothing here imports JAX, so ``--help`` and flag errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from train import run_dir
+from train.config import InvalidSetting, UsageError, _layer_rule, _Parser  # noqa: F401  (UsageError: re-exported)
+from train.options import BACKENDS, CRITERIA, DTYPES, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES, STORAGE_DTYPES
+
+# train.lm_model.PRESETS' and train.lm_data.TOKENIZERS' names, repeated to stay JAX-free (a test keeps them equal).
+LM_MODELS = ("cpu", "gpt2-small", "1b")
+TOKENIZERS = ("bpe", "bytes")
+# Where a resumed run stops, where its caches and logs are, how it computes dW (backends agree to
+# rounding): nothing that changes what a step computes.
+RESUME_OVERRIDES = ("stop_at", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_dir", "backend")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMConfig:
+    """Everything an LM run depends on. ``stop_at`` and ``resume`` only decide where it stops/starts."""
+
+    # Data.
+    data_dir: str | None = None
+    cache_dir: str | None = None
+    val_fraction: float = 0.05
+    tokenizer: Literal["bpe", "bytes"] = "bpe"
+    vocab_size: int = 8192
+    # Model.
+    model: str = "cpu"
+    dim: int | None = None
+    depth: int | None = None
+    heads: int | None = None
+    seq_len: int | None = None
+    tie: bool = False
+    scan: bool = False
+    remat: bool = False
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    loss_chunk: int = 0
+    # Compressed residuals (bsr_jax.compress_model with one Rule per --layer-sparsity, then "*").
+    sparsity: float = 0.0
+    block: int = 16
+    criterion: Literal["l2", "l1"] = "l2"
+    selection: Literal["global", "column"] = "global"
+    backend: str | None = None
+    storage_dtype: Literal["bfloat16", "float8_e4m3fn", "int8", "int4"] | None = None
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    stochastic: bool = False
+    sparse_head: bool = False
+    lean: bool = True
+    sparsity_warmup_steps: int = 0
+    layer_sparsity: tuple[tuple[str, float], ...] = ()
+    # Optimisation.
+    lr: float = 3e-3
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    clip_norm: float = 1.0
+    batch_size: int = 16
+    steps: int = 2000
+    seed: int = 0
+    # Run control and logging.
+    stop_at: int | None = None
+    eval_every: int = 200
+    eval_windows: int = 64
+    log_every: int = 20
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = False
+
+    def __post_init__(self):
+        checks = {
+            "val_fraction": (0 < self.val_fraction < 1, "in (0, 1)"),
+            "tokenizer": (self.tokenizer in TOKENIZERS, f"one of {TOKENIZERS}"),
+            "vocab_size": (self.vocab_size >= 258, ">= 258 (the 256 bytes, one merge and the end-of-file token)"),
+            "model": (self.model in LM_MODELS, f"one of {LM_MODELS}"),
+            "dim": (self.dim is None or self.dim >= 1, ">= 1"),
+            "depth": (self.depth is None or self.depth >= 1, ">= 1"),
+            "heads": (self.heads is None or self.heads >= 1, ">= 1"),
+            "seq_len": (self.seq_len is None or self.seq_len >= 1, ">= 1"),
+            "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
+            "loss_chunk": (self.loss_chunk >= 0, ">= 0 (0: the plain head and loss)"),
+            "sparsity": (0.0 <= self.sparsity < 1.0, "in [0, 1)"),
+            "block": (self.block >= 1, ">= 1"),
+            "criterion": (self.criterion in CRITERIA, f"one of {CRITERIA}"),
+            "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
+            "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
+            "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
+            "rounding": (
+                self.rounding == "nearest" or (self.rounding in ROUNDINGS and self.storage_dtype in STOCHASTIC_ROUNDING_DTYPES),
+                f"one of {ROUNDINGS}; 'stochastic' needs --storage-dtype {' or '.join(STOCHASTIC_ROUNDING_DTYPES)}",
+            ),
+            "sparse_head": (not (self.sparse_head and self.tie), "off with --tie (the tied head is the embedding, not a Dense)"),
+            "sparsity_warmup_steps": (self.sparsity_warmup_steps >= 0, ">= 0"),
+            "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
+            "lr": (self.lr > 0, "> 0"),
+            "min_lr": (self.min_lr >= 0, ">= 0"),
+            "weight_decay": (self.weight_decay >= 0, ">= 0"),
+            "warmup_steps": (self.warmup_steps >= 0, ">= 0"),
+            "clip_norm": (self.clip_norm >= 0, ">= 0 (0: no clipping)"),
+            "batch_size": (self.batch_size >= 1, ">= 1"),
+            "steps": (self.steps >= 1, ">= 1"),
+            "seed": (self.seed >= 0, ">= 0"),
+            "stop_at": (self.stop_at is None or self.stop_at >= 1, ">= 1 or None"),
+            "eval_every": (self.eval_every >= 1, ">= 1"),
+            "eval_windows": (self.eval_windows >= 1, ">= 1"),
+            "log_every": (self.log_every >= 1, ">= 1"),
+            "checkpoint_every": (self.checkpoint_every >= 1, ">= 1"),
+            "keep_checkpoints": (self.keep_checkpoints >= 1, ">= 1"),
+        }
+        for name, (ok, allowed) in checks.items():
+            if not ok:
+                raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any layer keeps a compressed residual (else the plain model runs)."""
+        return self.sparsity > 0 or self.storage_dtype is not None or bool(self.layer_sparsity)
+
+    @property
+    def stop_step(self) -> int:
+        return min(self.stop_at or self.steps, self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "layer_sparsity": [list(rule) for rule in self.layer_sparsity]}
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> LMConfig:
+        """The inverse of ``to_json``; unknown fields raise ``UsageError`` naming them."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UsageError(f"unknown settings {unknown} (written by another version of train.lm?)")
+        return cls(**{**fields, "layer_sparsity": tuple(map(tuple, fields.get("layer_sparsity", ())))})
+
+    def resume_conflicts(self, saved: LMConfig) -> list[str]:
+        """``--flag VALUE (the run has SAVED)`` for each setting differing from ``saved`` that a
+        resumed run may not change."""
+        return [
+            f"{_flag(f.name)} {getattr(self, f.name)} (the run has {getattr(saved, f.name)})"
+            for f in dataclasses.fields(self)
+            if f.name not in (*RESUME_OVERRIDES, "resume") and getattr(self, f.name) != getattr(saved, f.name)
+        ]
+
+
+HELP = {
+    "data_dir": "a folder of text files to train on (every file under it; 5%% of them, by path hash, for validation); "
+    "default: this Python's standard library, its *.py files",
+    "cache_dir": "where tokenizers and token streams are cached; default $BSR_JAX_CACHE or ~/.cache/bsr_jax",
+    "val_fraction": "fraction of the files (by a hash of their path) held out for validation",
+    "tokenizer": "'bpe': byte-level BPE trained on the training split (Hugging Face tokenizers); 'bytes': UTF-8 bytes",
+    "vocab_size": "BPE vocabulary size (end-of-file token included)",
+    "model": "preset: cpu (256 x 4 layers, 7.4M params at vocabulary 8192, T 128), gpt2-small (768 x 12, T 1024), 1b (2048 x 16, T 2048)",
+    "dim": "override the preset's width",
+    "depth": "override the preset's number of layers",
+    "heads": "override the preset's attention heads",
+    "seq_len": "tokens per training window (T); default: the preset's",
+    "tie": "tie the head to the token embedding",
+    "scan": "stack the layers with nn.scan (parameters stacked on a leading axis; one traced layer)",
+    "remat": "recompute each layer in the backward pass (nn.remat; inside the scan with --scan)",
+    "dtype": "computation dtype (params and optimizer state stay float32)",
+    "loss_chunk": "tokens per chunk of the head + cross-entropy (bsr_jax.losses; the (B, T, V) logits never exist); "
+    "0: the plain head and loss",
+    "sparsity": "fraction of activation blocks dropped from each linear layer's weight-gradient residual (0 = dense)",
+    "block": "square block side of the pruning and of the per-block scales",
+    "criterion": "block magnitude used for ranking",
+    "selection": "'global': largest blocks of the whole tensor; 'column': same number per block-column",
+    "backend": "dW backend (cpu, xla, pallas, reference); default: $BSR_JAX_BACKEND or the platform's",
+    "storage_dtype": f"store kept blocks in lower precision ({', '.join(STORAGE_DTYPES)}), dequantized in the backward pass",
+    "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",
+    "stochastic": "sample kept blocks with probability by magnitude and rescale them (unbiased weight gradients)",
+    "sparse_head": "also compress the head's input",
+    "lean": "with compression, norms, SwiGLU and attention keep less too (exact; bsr_jax.compress_model's lean)",
+    "sparsity_warmup_steps": "ramp every layer's sparsity from 0 to its target over this many steps, in 4 stairs",
+    "layer_sparsity": "PATTERN=VALUE, repeatable: layers whose module path matches PATTERN (fnmatch, e.g. "
+    "'layer_*/mlp/down' or, with --scan, 'layers/mlp/*') use sparsity VALUE; first match wins",
+    "lr": "peak learning rate (AdamW, b2 0.95)",
+    "min_lr": "final learning rate of the cosine decay",
+    "weight_decay": "AdamW weight decay, on kernels and embeddings (not on norm scales)",
+    "warmup_steps": "linear warmup steps (capped at 20%% of --steps)",
+    "clip_norm": "clip the global gradient norm to this (0: no clipping)",
+    "batch_size": "global batch of windows, split over all devices",
+    "steps": "training steps; the learning-rate schedule spans them",
+    "seed": "seed of initialisation and data order",
+    "stop_at": "stop at this step (the schedule still spans --steps); --resume continues",
+    "eval_every": "steps between validation losses (one is also computed at the end)",
+    "eval_windows": "validation windows per evaluation, spread evenly over the validation split",
+    "log_every": "steps between metric lines",
+    "checkpoint_every": "steps between checkpoints (one is also written at the end and on SIGINT/SIGTERM)",
+    "keep_checkpoints": "checkpoints kept in WORKDIR/checkpoints",
+    "resume": "continue the run in --workdir from its last checkpoint with its config.json (same data order, "
+    "bit-for-bit); other flags must match it, except " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OVERRIDES),
+}
+
+_CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "dtype": DTYPES, "criterion": CRITERIA, "selection": SELECTIONS,
+            "backend": BACKENDS, "storage_dtype": STORAGE_DTYPES, "rounding": ROUNDINGS}  # fmt: skip
+_NOT_GIVEN = object()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """One flag per ``LMConfig`` field plus ``--workdir``; errors are one line, exit code 2."""
+    parser = _Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--workdir", default="runs/lm", help="where metrics, config and checkpoints go")
+    for field in dataclasses.fields(LMConfig):
+        flag, default, text = _flag(field.name), field.default, HELP[field.name]
+        if field.name == "layer_sparsity":
+            parser.add_argument(flag, type=_layer_rule, action="append", default=list(default), metavar="PATTERN=VALUE", help=text)
+        elif field.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
+            parser.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(field.name), help=text)
+    return parser
+
+
+def parse(prog: str, description: str, argv: Sequence[str] | None = None) -> tuple[LMConfig, str, list[str]]:
+    """``argv`` as ``(config, workdir, notes)``; ``notes`` names the ``RESUME_OVERRIDES`` a resumed
+    run changes. Bad values, and flags that would change a resumed run, exit with code 2."""
+    parser = build_parser(prog, description)
+    names = [f.name for f in dataclasses.fields(LMConfig)]
+    # A namespace already holding every field keeps only the flags given (argparse fills in
+    # defaults only for names it does not find).
+    given = vars(parser.parse_args(argv, argparse.Namespace(**{n: _NOT_GIVEN for n in names} | {"layer_sparsity": []})))
+    workdir = given.pop("workdir")
+    given = {n: tuple(v) if n == "layer_sparsity" else v for n, v in given.items() if v is not _NOT_GIVEN and v != []}
+    saved = run_dir.read_saved(workdir) if given.get("resume") else None
+    if given.get("resume") and saved is None:
+        parser.error(f"argument --resume: nothing to resume in {workdir}: it has no config.json; "
+                     "pass the --workdir of an earlier run, or drop --resume")  # fmt: skip
+    try:
+        if saved is None:
+            return LMConfig(**given), workdir, []
+        saved_config = LMConfig.from_json(saved["config"])
+        config = dataclasses.replace(saved_config, **given)
+    except InvalidSetting as error:
+        parser.error((f"{run_dir.config_path(workdir)}: " if saved else f"argument {_flag(error.field)}: ") + str(error))
+    except UsageError as error:
+        parser.error(f"{run_dir.config_path(workdir)}: {error}")
+    conflicts = config.resume_conflicts(saved_config)
+    if conflicts:
+        parser.error(f"{workdir} was trained with other settings; to resume it, drop {'; '.join(conflicts)}. "
+                     "To train these settings, pass another --workdir")  # fmt: skip
+    notes = [f"{_flag(n)} {getattr(saved_config, n)} -> {getattr(config, n)}"
+             for n in RESUME_OVERRIDES if getattr(config, n) != getattr(saved_config, n)]  # fmt: skip
+    return config, workdir, notes

@@ -1,0 +1,384 @@
+"""``python -m train.lm``'s loop: ``train_and_evaluate(config, workdir)`` for a decoder-only LM.
+
+The pieces the image loop uses serve here too: the data-parallel step (``train.sharding``: each
+device compresses its own shard's residuals, gradients ``pmean``-ed), ``train.stopping`` (SIGINT /
+SIGTERM stop after the step in flight, with a checkpoint), ``train.checkpoint`` (Orbax),
+``train.metrics`` (``metrics.jsonl`` records, printed) and ``train.run_dir`` (the workdir's layout).
+What differs: the data (``train.lm_data``: windows of a token stream, a function of (seed, step)),
+the model (``train.lm_model``, compressed by ``bsr_jax.compress_model`` with rules by path), the
+schedule (in steps) and the evaluation (validation loss every ``eval_every`` steps).
+
+Records in ``WORKDIR/metrics.jsonl``: ``{"kind": "memory"}`` once (residual activation MiB per
+device, the compiled step's peak and temporaries), ``{"kind": "train"}`` every ``log_every`` steps
+(loss, gradient norm, learning rate, step time, tokens/s), ``{"kind": "eval"}`` (``val_loss``, its
+perplexity, bits per byte of the validation text).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import bsr_jax
+from bsr_jax.schedules import warmup_fraction
+from train import lm_data, metrics, progress, run_dir, sharding, stopping
+from train.checkpoint import Checkpoints
+from train.data import prefetch
+from train.lm_config import LMConfig, UsageError
+from train.lm_model import LM, PRESETS, LMShape, head_kernel
+
+MIB = 2**20
+
+
+# ----------------------------------------------------------------------------- model & optimizer
+
+
+def model_shape(config: LMConfig, vocab_size: int | None = None) -> LMShape:
+    """The preset's shape with the config's overrides; ``vocab_size``: the tokenizer's (else the preset's)."""
+    overrides = {k: getattr(config, k) for k in ("dim", "depth", "heads", "seq_len") if getattr(config, k) is not None}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    shape = dataclasses.replace(PRESETS[config.model], **overrides)
+    if shape.dim % shape.heads or (shape.dim // shape.heads) % 2:
+        raise UsageError(f"--dim {shape.dim} must be a multiple of --heads {shape.heads} with an even head dimension (RoPE rotates pairs)")
+    return shape
+
+
+def compression_rules(config: LMConfig, level: float = 1.0) -> list[bsr_jax.Rule]:
+    """``compress_model``'s rules for ``config``, at ``level`` times its sparsities (the warmup):
+    each ``--layer-sparsity`` first, then the head (dense unless ``--sparse-head``), then ``"*"``."""
+    base = bsr_jax.Pruning(round(config.sparsity * level, 6), block=config.block, criterion=config.criterion,
+                           selection=config.selection, storage_dtype=config.storage_dtype, stochastic=config.stochastic,
+                           rounding=config.rounding)  # fmt: skip
+    rules = [bsr_jax.Rule(p, dataclasses.replace(base, sparsity=round(v * level, 6))) for p, v in config.layer_sparsity]
+    if not config.tie and not config.sparse_head:
+        rules.append(bsr_jax.Rule("head", None))
+    return [*rules, bsr_jax.Rule("*", base)]
+
+
+def create_model(config: LMConfig, shape: LMShape, level: float = 1.0, compressed: bool = True):
+    """``LM`` of ``shape``, through ``bsr_jax.compress_model`` when the config compresses anything
+    (and ``compressed``): forward bit-identical, weight gradients from compressed residuals."""
+    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    model = LM(shape, tie=config.tie, scan=config.scan, remat=config.remat, dtype=dtype)
+    if not (compressed and config.compressed):
+        return model
+    return bsr_jax.compress_model(model, compression_rules(config, level), lean=config.lean)
+
+
+def decay_mask(params: Any) -> Any:
+    """Weight decay on kernels and embeddings, not on norm scales."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
+
+
+def learning_rate_schedule(config: LMConfig) -> optax.Schedule:
+    """Linear warmup (at most 20% of the run), then cosine decay to ``min_lr`` at ``steps``."""
+    warmup = min(config.warmup_steps, config.steps // 5)
+    return optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, config.steps, end_value=config.min_lr)
+
+
+def create_optimizer(config: LMConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw) if config.clip_norm else adamw
+
+
+def loss_function(model, config: LMConfig):
+    """``(params, batch, rng=None) -> (mean next-token cross-entropy, {})`` of ``batch["tokens"]``
+    int32 ``(B, T + 1)``; with ``loss_chunk`` the head and loss run chunk by chunk
+    (``bsr_jax.losses``), never holding the ``(B, T, V)`` logits."""
+
+    def loss_fn(params, batch, rng=None):
+        inputs, labels = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+        rngs = None if rng is None else {"pruning": rng}
+        if config.loss_chunk:
+            from bsr_jax.losses import chunked_softmax_cross_entropy
+
+            features = model.apply({"params": params}, inputs, features_only=True, rngs=rngs)
+            w = head_kernel(params, config.tie).astype(features.dtype)
+            return chunked_softmax_cross_entropy(features, w, labels, chunk=config.loss_chunk).mean(), {}
+        logits = model.apply({"params": params}, inputs, rngs=rngs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
+
+    return loss_fn
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def make_train_step(loss_fn, tx, schedule, mesh, rng_seed: int | None):
+    """Jitted ``(state, batch) -> (state, metrics)``, state donated; step ``t`` draws its pruning
+    randomness from ``fold_in(key(rng_seed), t)``, so a resumed run draws what an uninterrupted one would."""
+    grad_fn = sharding.data_parallel_grad(loss_fn, mesh)
+
+    def step(state, batch):
+        rng = None if rng_seed is None else jax.random.fold_in(jax.random.key(rng_seed), state["step"])
+        (loss, _), grads = grad_fn(state["params"], batch, rng)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+
+    rep = sharding.replicated(mesh)
+    return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=(rep, rep), donate_argnums=0)
+
+
+def make_eval_step(loss_fn, mesh):
+    """Jitted ``(params, batch) -> summed token losses`` of a batch of windows."""
+    rep = sharding.replicated(mesh)
+    tokens = lambda params, batch: loss_fn(params, batch)[0] * batch["tokens"][:, 1:].size
+    return jax.jit(tokens, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=rep)
+
+
+def memory_report(loss_fn, dense_loss_fn, compiled, params, batch_shape: tuple[int, int], mesh) -> dict[str, Any]:
+    """Per-device memory of a training step from shapes (nothing runs): residual activation MiB
+    (``bsr_jax.residual_bytes`` at the per-device batch), dense's, and XLA's compiled peak / temp."""
+    tokens = jax.ShapeDtypeStruct((batch_shape[0] // mesh.devices.size, batch_shape[1]), jnp.int32)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+    def residual_mib(loss) -> float:
+        kept = bsr_jax.residual_bytes(lambda p, t: loss(p, {"tokens": t}, jax.random.key(0))[0], params, tokens)
+        return (kept.activations + kept.inputs) / MIB
+
+    peak = bsr_jax.CompiledMemory.of(compiled)
+    return {"kind": "memory", "per_device_batch": tokens.shape[0], "residual_activation_mib": residual_mib(loss_fn),
+            "dense_residual_activation_mib": residual_mib(dense_loss_fn), "compiled_peak_mib": peak.peak / MIB,
+            "compiled_temp_mib": peak.temp / MIB}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- train_and_evaluate
+
+
+def prepare_data(config: LMConfig) -> tuple[lm_data.Corpus, Any, np.ndarray, np.ndarray]:
+    """``(corpus, tokenizer, train stream, validation stream)``; raises ``DataError``."""
+    corpus = lm_data.find_corpus(config.data_dir, config.val_fraction)
+    tokenizer = lm_data.load_tokenizer(config.tokenizer, corpus, config.vocab_size, config.cache_dir)
+    name = "bytes" if config.tokenizer == "bytes" else f"bpe{config.vocab_size}"
+    streams = [lm_data.token_stream(corpus, split, tokenizer, name, config.cache_dir) for split in ("train", "validation")]
+    return corpus, tokenizer, *streams
+
+
+def finished_at(workdir: str, stop_step: int) -> int | None:
+    """The step a finished run in ``workdir`` ended at (checkpoint and final evaluation written), or None."""
+    step = run_dir.latest_checkpoint_step(workdir)
+    if step is None or step < stop_step:
+        return None
+    return step if any(r.get("kind") == "eval" and r["step"] == step for r in _records(workdir)) else None
+
+
+def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
+    """Train ``config`` in ``workdir``.
+
+    Returns ``{"memory", "train", "eval"}`` (the last record of each kind), ``"step"`` reached,
+    ``"stopped_by"`` (the signal that stopped the run, or None) and ``"summary"``.
+
+    Raises:
+      train.data_sources.DataError: the corpus cannot be read or is too small (the message says why).
+      UsageError: checkpoints in ``workdir`` without ``resume``; a batch that does not divide over
+        the devices or is larger than the corpus; a ``--layer-sparsity`` pattern matching no layer.
+      FloatingPointError: the loss became NaN or infinite.
+    """
+    started = time.perf_counter()
+    saved = run_dir.read_saved(workdir)
+    if not config.resume and run_dir.latest_checkpoint_step(workdir) is not None:
+        raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
+    if config.resume and saved is not None:
+        done = finished_at(workdir, config.stop_step)
+        if done is not None:
+            metrics.say(f"the run in {workdir} already finished at step {done}")
+            return {"step": done, "stopped_by": None, "summary": None}
+        conflicts = config.resume_conflicts(LMConfig.from_json(saved["config"]))
+        if conflicts:
+            raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
+    mesh = sharding.make_mesh()
+    if config.batch_size % mesh.devices.size:
+        raise UsageError(f"batch_size must be a multiple of the {mesh.devices.size} devices, got {config.batch_size}")
+
+    # ------------------------------------------------------------------ data
+    corpus, tokenizer, train_stream, val_stream = prepare_data(config)
+    shape = model_shape(config, tokenizer.vocab_size)
+    seq_len = shape.seq_len
+    per_epoch = lm_data.steps_per_epoch(len(train_stream), seq_len, config.batch_size)
+    if per_epoch < 1 or lm_data.windows_per_epoch(len(val_stream), seq_len) < 1:
+        raise UsageError(f"the corpus holds {len(train_stream)} training and {len(val_stream)} validation tokens: too few for "
+                         f"one batch of {config.batch_size} windows of {seq_len + 1}; lower --batch-size or --seq-len")  # fmt: skip
+    val_windows = lm_data.eval_windows(val_stream, seq_len, config.eval_windows)
+    os.makedirs(workdir, exist_ok=True)  # only now: a run without data leaves nothing behind
+
+    # ------------------------------------------------------------------ model, optimizer, state
+    schedule = learning_rate_schedule(config)
+    tx = create_optimizer(config, schedule)
+    model = create_model(config, shape)
+    tokens_struct = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    try:  # compress_model resolves its rules at init: a --layer-sparsity typo fails here
+        jax.eval_shape(model.init, jax.random.key(0), tokens_struct)
+    except ValueError as error:
+        if "matched no layer" not in str(error):
+            raise
+        plain = jax.eval_shape(create_model(config, shape, compressed=False).init, jax.random.key(0), tokens_struct)
+        paths = sorted({"/".join(k.key for k in path[:-1]) for path, _ in jax.tree_util.tree_flatten_with_path(plain)[0] if path[-1].key == "kernel"})
+        raise UsageError(f"--layer-sparsity: {error}; the model's linear layers are {', '.join(paths)}") from None
+
+    def init():
+        params = create_model(config, shape, compressed=False).init(jax.random.key(config.seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    state = jax.jit(init, out_shardings=sharding.replicated(mesh))()
+    checkpoints = Checkpoints(run_dir.checkpoint_dir(workdir), config.keep_checkpoints)
+    if config.resume and checkpoints.latest_step() is not None:
+        state = checkpoints.restore(state)
+    start_step, stop_step = int(state["step"]), config.stop_step
+    sharding.sync_processes("read the workdir")
+    log = metrics.MetricsLog(workdir, keep_until_step=start_step if config.resume else None)
+    batch_struct = {"tokens": jax.ShapeDtypeStruct((config.batch_size, seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))}
+    rng_seed = config.seed if config.stochastic or config.rounding == "stochastic" else None
+
+    def compile_step(level: float):
+        step_fn = make_train_step(loss_function(create_model(config, shape, level), config), tx, schedule, mesh, rng_seed)
+        return step_fn.lower(state, batch_struct).compile()
+
+    previous_env = os.environ.get(bsr_jax.backends.ENV_VAR)
+    if config.backend is not None:  # compress_model's layers read the dW backend from it when traced
+        os.environ[bsr_jax.backends.ENV_VAR] = config.backend
+    try:
+        train_steps = {1.0: compile_step(1.0)}
+        num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+        if jax.process_index() == 0 and (not config.resume or saved is None or {**config.to_json(), "resume": saved["config"]["resume"]} != saved["config"]):
+            run = dict(devices=mesh.devices.size, platform=jax.default_backend(), num_params=num_params, shape=dataclasses.asdict(shape),
+                       tokens_per_step=config.batch_size * seq_len, steps_per_epoch=per_epoch, train_tokens=len(train_stream),
+                       val_tokens=len(val_stream), val_windows=len(val_windows), corpus=corpus.describe())  # fmt: skip
+            with open(run_dir.config_path(workdir), "w") as f:
+                json.dump({"config": config.to_json(), "run": run}, f, indent=2)
+        loss_fn = loss_function(model, config)
+        dense_loss = loss_function(create_model(config, shape, compressed=False), config)
+        memory = memory_report(loss_fn, dense_loss, train_steps[1.0], state["params"], (config.batch_size, seq_len), mesh)
+        log({"step": start_step, **memory})
+        metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {len(train_stream):,} training tokens "
+                    f"({per_epoch} steps/epoch), steps {start_step} -> {stop_step}")  # fmt: skip
+        return _train(config, workdir, state, train_steps, compile_step, make_eval_step(dense_loss, mesh), log, checkpoints,
+                      train_stream, val_windows, len(val_stream), corpus, seq_len, mesh, memory, started, start_step, stop_step)  # fmt: skip
+    finally:
+        if previous_env is None:
+            os.environ.pop(bsr_jax.backends.ENV_VAR, None)
+        else:
+            os.environ[bsr_jax.backends.ENV_VAR] = previous_env
+
+
+def _train(config, workdir, state, train_steps, compile_step, eval_step, log, checkpoints, train_stream, val_windows, val_tokens,
+           corpus, seq_len, mesh, memory, started, start_step, stop_step) -> dict[str, Any]:  # fmt: skip
+    result: dict[str, Any] = {"memory": memory}
+    interval: list[dict] = []
+    timer = metrics.StepTimer()
+    tokens_per_step = config.batch_size * seq_len
+    per_epoch = lm_data.steps_per_epoch(len(train_stream), seq_len, config.batch_size)
+    evaluated = {r["step"] for r in _records(workdir) if r.get("kind") == "eval"}
+    eval_due = lambda step: step % config.eval_every == 0 or step == stop_step
+    # Bits per byte of the validation text, comparable across tokenizers: loss / ln 2 x tokens per byte.
+    tokens_per_byte = val_tokens / corpus.val_bytes
+    usable = len(val_windows) - len(val_windows) % mesh.devices.size  # whole shards only
+
+    def run_eval(step: int, stop: stopping.StopRequest) -> bool:
+        """Evaluate and log; True when a stop was requested (the evaluation is then dropped: a resumed run redoes it)."""
+        total = 0.0
+        for i in range(0, usable, config.batch_size):
+            if stop.agreed() is not None:
+                return True
+            rows = sharding.local_rows(val_windows[i : min(i + config.batch_size, usable)])
+            total += float(eval_step(state["params"], {"tokens": jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), rows)}))
+        loss = total / (usable * seq_len)
+        result["eval"] = {"kind": "eval", "step": step, "val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50))),
+                          "val_bits_per_byte": loss / np.log(2) * tokens_per_byte}  # fmt: skip
+        log(result["eval"])
+        return stop.agreed() is not None
+
+    step = start_step
+    batches = lm_data.train_batches(train_stream, start_step, seed=config.seed, batch_size=config.batch_size, seq_len=seq_len)
+    placed = prefetch(({"tokens": b} for b in map(sharding.local_rows, batches)), sharding=sharding.batch_sharding(mesh))
+    with stopping.stop_on_signals() as stop, contextlib.closing(placed), \
+            progress.bar(total=stop_step, initial=start_step, unit="step", desc="training", hidden=jax.process_index() != 0) as bar:  # fmt: skip
+        signalled = False
+        if start_step > 0 and eval_due(start_step) and start_step not in evaluated:  # stopped during that evaluation
+            signalled = run_eval(start_step, stop)
+        while step < stop_step and not signalled:
+            level = warmup_fraction(step, warmup_steps=config.sparsity_warmup_steps)
+            if level not in train_steps:
+                train_steps[level] = compile_step(level)
+            state, step_metrics = train_steps[level](state, next(placed))
+            interval.append(jax.device_get(step_metrics))  # one step in flight: a signal stops within a step
+            step += 1
+            if step == start_step + 1:  # the first step compiles and warms up: not timed
+                timer.restart()
+            else:
+                timer.steps += 1
+            shown = {"loss": f"{interval[-1]['loss']:.3f}"}
+            if timer.steps:
+                shown["tokens_per_s"] = f"{timer.images_per_s(tokens_per_step):.0f}"
+            bar.set_postfix(shown, refresh=False)
+            bar.update(1)
+            signalled = stop.agreed() is not None
+            if step % config.log_every == 0 or eval_due(step) or signalled:
+                record = metrics.train_record(interval, timer, step, per_epoch, tokens_per_step)
+                record = {k.replace("images_per_s", "tokens_per_s"): v for k, v in record.items()}
+                result["train"] = record
+                log(record)
+                interval = []
+            if step % config.checkpoint_every == 0 or step == stop_step or signalled:
+                checkpoints.save(step, state)
+            if eval_due(step) and not signalled:
+                signalled = run_eval(step, stop)
+            if not interval:
+                timer.restart()
+    checkpoints.save(step, state)
+    checkpoints.close()
+    stopped_by = stop.agreed()
+    if stopped_by is not None:
+        metrics.say(f"stopped by {signal.Signals(stopped_by).name} at step {step}; continue with --resume")
+    result.update(step=step, stopped_by=stopped_by)
+    result["summary"] = summary(workdir, step, stop_step, stopped_by, time.perf_counter() - started) if jax.process_index() == 0 else None
+    return result
+
+
+def summary(workdir: str, step: int, stop_step: int, stopped_by: int | None, wall_time_s: float) -> dict[str, Any]:
+    """What the run achieved, from its records; printed as a block."""
+    records = run_dir.read_records(workdir)
+    evals = [r for r in records if r.get("kind") == "eval"]
+    trains = [r for r in records if r.get("kind") == "train"]
+    memory = [r for r in records if r.get("kind") == "memory"][-1]
+    out = {
+        "step": step, "stop_step": stop_step, "stopped_by": stopped_by, "wall_time_s": wall_time_s,
+        "first_train_loss": trains[0]["loss"] if trains else None, "final_train_loss": trains[-1]["loss"] if trains else None,
+        "final_val_loss": evals[-1]["val_loss"] if evals else None,
+        "best_val_loss": min((r["val_loss"] for r in evals), default=None),
+        "tokens_per_s": trains[-1].get("tokens_per_s") if trains else None,
+        "residual_activation_mib": memory["residual_activation_mib"], "dense_residual_activation_mib": memory["dense_residual_activation_mib"],
+        "checkpoint": os.path.join(run_dir.checkpoint_dir(workdir), str(step)),
+    }  # fmt: skip
+    status = f"{step} of {stop_step}" + (f", stopped by {signal.Signals(stopped_by).name}: continue with --resume" if stopped_by else "")
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"
+    residual, dense = out["residual_activation_mib"], out["dense_residual_activation_mib"]
+    metrics.say("\n".join([
+        f"run summary ({workdir})",
+        f"  steps            {status}",
+        f"  wall time        {wall_time_s:.0f} s (this session, data and compilation included)",
+        f"  train loss       {fmt(out['first_train_loss'])} first record, {fmt(out['final_train_loss'])} last",
+        f"  validation loss  {fmt(out['final_val_loss'])} final, {fmt(out['best_val_loss'])} best",
+        f"  tokens/s         {out['tokens_per_s'] or 0:.0f} (last record)",
+        f"  residual memory  {residual:.2f} MiB per device, {residual / dense:.0%} of dense ({dense:.2f} MiB)",
+        f"  checkpoint       {out['checkpoint']}",
+    ]))  # fmt: skip
+    return out
+
+
+def _records(workdir: str) -> list[dict[str, Any]]:
+    try:
+        return run_dir.read_records(workdir)
+    except FileNotFoundError:
+        return []
