@@ -3,6 +3,7 @@ says what to pass instead, on short lines."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -89,3 +90,21 @@ def test_not_found_is_three_short_lines_and_a_file_is_not_a_directory(isolated_e
         assert ("does not exist" if where == "missing archive" else "(a file, not a .tar/.tar.gz/.tgz archive)") in lines[1]
     if where == "no data dir":
         assert lines[1].startswith(f"  Looked in {isolated_env / 'tfds' / 'downloads' / 'manual'} (does not exist), ")
+
+
+def test_not_found_message_lists_places_and_remedies(isolated_env):
+    empty = isolated_env / "empty"
+    empty.mkdir()
+    with pytest.raises(data.DataNotFoundError) as info:
+        data.load_split("cifar10", "train", data_dir=str(empty), cache_dir=str(isolated_env / "c"))
+    tfds = f"no {empty / 'cifar10'}" if importlib.util.find_spec("tensorflow_datasets") else "tensorflow-datasets is not installed"
+    assert str(info.value).splitlines() == [  # the cause, where it looked, what --data-dir can be
+        f"No cifar10 'train' data found in --data-dir {empty}; without --data-dir it is downloaded.",
+        f"  Looked in {empty}, {empty / 'downloads' / 'manual'} (does not exist); tfds: {tfds}.",
+        "  Pass --data-dir cifar-10-python.tar.gz or cifar-10-batches-py/, or an image folder <dir>/{train,test}/<class>/*.jpg.",
+    ]
+    assert os.listdir(empty) == []  # tfds did not create anything there
+    with pytest.raises(data.DataNotFoundError, match="does not exist"):
+        data.load_split("cifar100", "test", data_dir=str(isolated_env / "missing"), cache_dir=str(isolated_env / "c"))
+    with pytest.raises(data.DataNotFoundError, match=r"ILSVRC2012_img_\{train,val\}\.tar"):
+        data.load_split("imagenet2012", "test", cache_dir=str(isolated_env / "c"), image_size=32)
