@@ -104,7 +104,7 @@ def loss_function(model, config: LMConfig):
             from bsr_jax.losses import chunked_softmax_cross_entropy
 
             features = model.apply({"params": params}, inputs, features_only=True, rngs=rngs)
-            w = head_kernel(params, config.tie).astype(features.dtype)
+            w = head_kernel(params, config.tie)  # f32: its gradient accumulates over chunks in f32
             return chunked_softmax_cross_entropy(features, w, labels, chunk=config.loss_chunk).mean(), {}
         logits = model.apply({"params": params}, inputs, rngs=rngs)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}

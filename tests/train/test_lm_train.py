@@ -119,3 +119,23 @@ def test_cli_errors_are_one_line(cache, capsys):
     assert "--batch-size" in one_line_error(capsys, [*tiny, "--batch-size", "100000"])
     assert "--heads" in one_line_error(capsys, [*tiny, "--heads", "3"])
     assert not os.path.exists(workdir) or not os.listdir(workdir)
+
+
+def test_chunked_loss_equals_the_plain_head_and_loss():
+    import jax
+    import jax.numpy as jnp
+
+    from train.lm_loop import create_model, loss_function, model_shape
+
+    tie = True  # the head is the embedding transposed: the chunked loss differentiates through it
+    config = dataclasses.replace(TINY, dtype="float32", tie=tie)
+    shape = model_shape(config, vocab_size=257)
+    model = create_model(config, shape)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (4, 17), 0, 257)}
+    plain = jax.jit(jax.value_and_grad(lambda p: loss_function(model, config)(p, batch)[0]))(params)
+    chunked_config = dataclasses.replace(config, loss_chunk=24)
+    chunked = jax.jit(jax.value_and_grad(lambda p: loss_function(model, chunked_config)(p, batch)[0]))(params)
+    np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(plain[1])):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,79 @@
+"""bsr_jax.losses.chunked_softmax_cross_entropy: the plain loss and gradients, without the logits array."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bsr_jax.losses import chunked_softmax_cross_entropy
+
+B, T, D, V = 2, 37, 16, 50
+
+
+def inputs(dtype=jnp.float32):
+    kh, kw, kl = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(kh, (B, T, D)).astype(dtype)
+    w = jax.random.normal(kw, (D, V)) * 0.3
+    labels = jax.random.randint(kl, (B, T), 0, V).at[0, :3].set(-1)  # a few ignored tokens
+    return h, w, labels
+
+
+def plain(h, w, labels):
+    logits = jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+    return jnp.where(labels >= 0, losses, 0.0)
+
+
+@pytest.mark.parametrize("chunk", [8, 37, 1000])  # 8: padded last chunk; 1000: one chunk
+def test_loss_and_gradients_equal_the_plain_form(chunk):
+    h, w, labels = inputs()
+    weights = jax.random.uniform(jax.random.key(1), (B, T))  # a non-uniform cotangent per token
+    losses = jax.jit(chunked_softmax_cross_entropy, static_argnames="chunk")(h, w, labels, chunk=chunk)
+    np.testing.assert_allclose(losses, plain(h, w, labels), rtol=1e-6, atol=1e-6)
+    grad = lambda f: jax.jit(jax.grad(lambda h, w: jnp.sum(f(h, w, labels) * weights), argnums=(0, 1)))(h, w)
+    chunked = grad(lambda h, w, l: chunked_softmax_cross_entropy(h, w, l, chunk=chunk))
+    for got, want in zip(chunked, grad(plain)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(chunked[0][0, :3]).max()) == 0.0  # ignored tokens get no gradient
+
+
+def test_bf16_features_follow_a_bf16_dense():
+    h, w, labels = inputs(jnp.bfloat16)
+    loss = lambda f: lambda h, w: jnp.mean(f(h, w, labels))
+    chunked = lambda h, w, l: chunked_softmax_cross_entropy(h, w, l, chunk=16)
+    np.testing.assert_allclose(jax.jit(loss(chunked))(h, w), loss(plain)(h, w), rtol=1e-5)
+    (dh, dw), (dh_ref, dw_ref) = (jax.jit(jax.grad(loss(f), argnums=(0, 1)))(h, w) for f in (chunked, plain))
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(dw, dw_ref, rtol=2e-2, atol=2e-4)
+    np.testing.assert_allclose(dh.astype(jnp.float32), dh_ref.astype(jnp.float32), rtol=2e-2, atol=2e-3)
+
+
+def _largest_array(jaxpr) -> int:
+    sizes = [0]
+    for eqn in jaxpr.eqns:
+        sizes += [int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape")]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            sizes.append(_largest_array(sub))
+    return max(sizes)
+
+
+def test_no_array_of_all_the_logits_exists():
+    h, w, labels = inputs()
+    step = lambda h, w: jax.value_and_grad(lambda h, w: chunked_softmax_cross_entropy(h, w, labels, chunk=8).mean(), argnums=(0, 1))(h, w)
+    assert _largest_array(jax.make_jaxpr(step)(h, w).jaxpr) <= max(8 * V, (B * T + 8) * D, D * V)  # chunk logits, padded h, dw
+    reference = lambda h, w: jax.value_and_grad(lambda h, w: plain(h, w, labels).mean(), argnums=(0, 1))(h, w)
+    assert _largest_array(jax.make_jaxpr(reference)(h, w).jaxpr) >= B * T * V  # what the plain form holds
+
+
+def test_bad_arguments_raise():
+    h, w, labels = inputs()
+    with pytest.raises(ValueError, match="labels"):
+        chunked_softmax_cross_entropy(h, w, labels[:, :-1])
+    with pytest.raises(ValueError, match="w must be"):
+        chunked_softmax_cross_entropy(h, w.T, labels)
+    with pytest.raises(ValueError, match="chunk"):
+        chunked_softmax_cross_entropy(h, w, labels, chunk=0)
