@@ -176,8 +176,9 @@ def quantize_rows(
     x: jax.Array, block: tuple[int, int], storage_dtype: StorageDtype, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
     """``quantize_matrix``'s storage in x's row order (the layout off the CPU): the same shapes,
-    scales and rounding as in blocks; the values are x's padded ``(Mp, Kp)`` codes in row-major
-    order, int4 packed two to a byte: rows ``i`` (low nibble) and ``i + bm/2`` of each block-row
+    scales and rounding as in blocks, in row order too (the scales ``(Mb, Kb)`` row-major, where
+    the blocks layout orders them by block-column: no transpose kernel on either side); the values
+    are x's padded ``(Mp, Kp)`` codes in row-major order, int4 packed two to a byte: rows ``i`` (low nibble) and ``i + bm/2`` of each block-row
     (blocks of odd ``bm``: columns ``c`` and ``c + Kp/2``). ``block`` must hold an even number of
     values for int4."""
     check_storage_dtype(storage_dtype)
@@ -200,13 +201,13 @@ def quantize_rows(
     scales = jnp.where(amax > 0, amax * (1.0 / limit), jnp.where(amax == 0, 1.0, amax))  # (Mb, Kb)
     scaled = v * _across_columns(1.0 / scales, bk, v)
     if storage_dtype == "float8_e4m3fn":
-        return scaled.astype(jnp.float8_e4m3fn).reshape(n, bm, bk), scales.T.reshape(-1)
+        return scaled.astype(jnp.float8_e4m3fn).reshape(n, bm, bk), scales.reshape(-1)
     rounded = jnp.round(scaled) if key is None else jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
     q = jnp.clip(rounded, -limit, limit).astype(jnp.int32)
     if storage_dtype == "int8":
-        return q.astype(jnp.int8).reshape(n, bm, bk), scales.T.reshape(-1)
+        return q.astype(jnp.int8).reshape(n, bm, bk), scales.reshape(-1)
     low, high = jnp.split(q & 0xF, 2, axis=_int4_pair_axis(block))
-    return (low | (high << 4)).astype(jnp.uint8).reshape(n, bm * bk // 2), scales.T.reshape(-1)
+    return (low | (high << 4)).astype(jnp.uint8).reshape(n, bm * bk // 2), scales.reshape(-1)
 
 
 def dequantize_rows(
@@ -224,7 +225,7 @@ def dequantize_rows(
         values = stored.reshape(shape)
     values = values.astype(jnp.float32)
     if scales is not None:
-        values = values * _across_columns(scales.reshape(kb, mb).T, bk, values)
+        values = values * _across_columns(scales.reshape(mb, kb), bk, values)
     return values.astype(dtype).reshape(mb * bm, kb * bk)
 
 
