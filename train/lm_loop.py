@@ -252,19 +252,20 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         train_steps = {1.0: compile_step(1.0)}
         num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
         if jax.process_index() == 0 and (not config.resume or saved is None or {**config.to_json(), "resume": saved["config"]["resume"]} != saved["config"]):
-            run = dict(devices=mesh.devices.size, platform=jax.default_backend(), num_params=num_params, shape=dataclasses.asdict(shape),
+            facts = dict(devices=mesh.devices.size, platform=jax.default_backend(), num_params=num_params, shape=dataclasses.asdict(shape),
                        tokens_per_step=config.batch_size * seq_len, steps_per_epoch=per_epoch, train_tokens=len(train_stream),
                        val_tokens=len(val_stream), val_windows=len(val_windows), corpus=corpus.describe())  # fmt: skip
             with open(run_dir.config_path(workdir), "w") as f:
-                json.dump({"config": config.to_json(), "run": run}, f, indent=2)
+                json.dump({"config": config.to_json(), "run": facts}, f, indent=2)
         loss_fn = loss_function(model, config)
         dense_loss = loss_function(create_model(config, shape, compressed=False), config)
         memory = memory_report(loss_fn, dense_loss, train_steps[1.0], state["params"], (config.batch_size, seq_len), mesh)
         log({"step": start_step, **memory})
         metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {len(train_stream):,} training tokens "
                     f"({per_epoch} steps/epoch), steps {start_step} -> {stop_step}")  # fmt: skip
-        return _train(config, workdir, state, train_steps, compile_step, make_eval_step(dense_loss, mesh), log, checkpoints,
-                      train_stream, val_windows, len(val_stream), corpus, seq_len, mesh, memory, started, start_step, stop_step)  # fmt: skip
+        run = _Run(config, workdir, mesh, seq_len, train_stream, val_windows, len(val_stream) / corpus.val_bytes, log, checkpoints,
+                   compile_step, make_eval_step(dense_loss, mesh), started)  # fmt: skip
+        return _train(run, state, train_steps, memory, start_step)
     finally:
         if previous_env is None:
             os.environ.pop(bsr_jax.backends.ENV_VAR, None)
@@ -272,17 +273,35 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
             os.environ[bsr_jax.backends.ENV_VAR] = previous_env
 
 
-def _train(config, workdir, state, train_steps, compile_step, eval_step, log, checkpoints, train_stream, val_windows, val_tokens,
-           corpus, seq_len, mesh, memory, started, start_step, stop_step) -> dict[str, Any]:  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the train loop reads and never changes."""
+
+    config: LMConfig
+    workdir: str
+    mesh: Any
+    seq_len: int
+    train_stream: np.ndarray
+    val_windows: np.ndarray  # int32 (W, seq_len + 1)
+    val_tokens_per_byte: float  # of the validation text: bits per byte = loss / ln 2 x this
+    log: metrics.MetricsLog
+    checkpoints: Checkpoints
+    compile_step: Any  # level -> compiled train step
+    eval_step: Any
+    started: float  # perf_counter at the start of train_and_evaluate
+
+
+def _train(run: _Run, state, train_steps: dict[float, Any], memory: dict, start_step: int) -> dict[str, Any]:
+    """Steps ``start_step`` -> ``config.stop_step``, evaluating, logging and saving as configured."""
+    config, workdir, mesh, seq_len, val_windows = run.config, run.workdir, run.mesh, run.seq_len, run.val_windows
+    log, checkpoints, eval_step, stop_step = run.log, run.checkpoints, run.eval_step, config.stop_step
     result: dict[str, Any] = {"memory": memory}
     interval: list[dict] = []
     timer = metrics.StepTimer()
     tokens_per_step = config.batch_size * seq_len
-    per_epoch = lm_data.steps_per_epoch(len(train_stream), seq_len, config.batch_size)
+    per_epoch = lm_data.steps_per_epoch(len(run.train_stream), seq_len, config.batch_size)
     evaluated = {r["step"] for r in _records(workdir) if r.get("kind") == "eval"}
     eval_due = lambda step: step % config.eval_every == 0 or step == stop_step
-    # Bits per byte of the validation text, comparable across tokenizers: loss / ln 2 x tokens per byte.
-    tokens_per_byte = val_tokens / corpus.val_bytes
     usable = len(val_windows) - len(val_windows) % mesh.devices.size  # whole shards only
 
     def run_eval(step: int, stop: stopping.StopRequest) -> bool:
@@ -295,12 +314,12 @@ def _train(config, workdir, state, train_steps, compile_step, eval_step, log, ch
             total += float(eval_step(state["params"], {"tokens": jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), rows)}))
         loss = total / (usable * seq_len)
         result["eval"] = {"kind": "eval", "step": step, "val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50))),
-                          "val_bits_per_byte": loss / np.log(2) * tokens_per_byte}  # fmt: skip
+                          "val_bits_per_byte": loss / np.log(2) * run.val_tokens_per_byte}  # fmt: skip
         log(result["eval"])
         return stop.agreed() is not None
 
     step = start_step
-    batches = lm_data.train_batches(train_stream, start_step, seed=config.seed, batch_size=config.batch_size, seq_len=seq_len)
+    batches = lm_data.train_batches(run.train_stream, start_step, seed=config.seed, batch_size=config.batch_size, seq_len=seq_len)
     placed = prefetch(({"tokens": b} for b in map(sharding.local_rows, batches)), sharding=sharding.batch_sharding(mesh))
     with stopping.stop_on_signals() as stop, contextlib.closing(placed), \
             progress.bar(total=stop_step, initial=start_step, unit="step", desc="training", hidden=jax.process_index() != 0) as bar:  # fmt: skip
@@ -310,7 +329,7 @@ def _train(config, workdir, state, train_steps, compile_step, eval_step, log, ch
         while step < stop_step and not signalled:
             level = warmup_fraction(step, warmup_steps=config.sparsity_warmup_steps)
             if level not in train_steps:
-                train_steps[level] = compile_step(level)
+                train_steps[level] = run.compile_step(level)
             state, step_metrics = train_steps[level](state, next(placed))
             interval.append(jax.device_get(step_metrics))  # one step in flight: a signal stops within a step
             step += 1
@@ -342,7 +361,7 @@ def _train(config, workdir, state, train_steps, compile_step, eval_step, log, ch
     if stopped_by is not None:
         metrics.say(f"stopped by {signal.Signals(stopped_by).name} at step {step}; continue with --resume")
     result.update(step=step, stopped_by=stopped_by)
-    result["summary"] = summary(workdir, step, stop_step, stopped_by, time.perf_counter() - started) if jax.process_index() == 0 else None
+    result["summary"] = summary(workdir, step, stop_step, stopped_by, time.perf_counter() - run.started) if jax.process_index() == 0 else None
     return result
 
 

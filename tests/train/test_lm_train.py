@@ -139,3 +139,24 @@ def test_chunked_loss_equals_the_plain_head_and_loss():
     np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
     for got, want in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(plain[1])):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_cli_on_4_devices_trains_what_one_device_trains(cache):
+    """``python -m train.lm`` in a fresh interpreter on 4 forced host devices (each compresses its
+    own shard: int8 blocks that do not straddle shards) against the same flags on one device."""
+    import subprocess
+    import sys
+
+    flags = ["--data-dir", CORPUS, "--val-fraction", "0.2", "--tokenizer", "bytes", "--dim", "32", "--depth", "2", "--heads", "2",
+             "--seq-len", "16", "--batch-size", "8", "--steps", "3", "--log-every", "1", "--eval-windows", "8", "--dtype", "float32",
+             "--storage-dtype", "int8", "--block", "16", "--scan"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "train.lm", *flags, "--workdir", str(cache / "four")], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "run summary" in done.stdout and json.load(open(cache / "four" / "config.json"))["run"]["devices"] == 4
+    assert lm.main([*flags, "--workdir", str(cache / "one")]) == 0
+    for kind, key in (("train", "loss"), ("eval", "val_loss")):
+        four, one = ([r[key] for r in kinds(cache / w, kind)] for w in ("four", "one"))
+        np.testing.assert_allclose(four, one, rtol=2e-5)
