@@ -1,12 +1,14 @@
 """Train a decoder-only transformer LM on real text with compressed activation residuals.
 
-Example: python -m train.lm --steps 200                    (the cpu preset, ~6M params, on 2 CPU cores)
+Example: python -m train.lm --steps 200                    (the cpu preset, 7.4M params: ~10 minutes on 2 busy CPU cores)
          python -m train.lm --storage-dtype int4 --block 16 (every linear's residual in int4 blocks)
 The text is this Python's own standard library (its *.py files; 5% of them, by path hash, held out
 for validation), tokenized by a byte-level BPE of 8192 tokens trained on the training files and
 cached (~/.cache/bsr_jax/lm); --data-dir reads any folder of text files instead, --tokenizer bytes
 uses UTF-8 bytes. Layers stack as a Python loop or (--scan) with nn.scan, optionally under
-nn.remat (--remat); every linear layer is compressed through bsr_jax.compress_model.
+nn.remat (--remat); every linear layer is compressed through bsr_jax.compress_model;
+--loss-chunk N computes the head and cross-entropy N tokens at a time (bsr_jax.losses: the
+(B, T, V) logits never exist).
 Exit codes: 0 done, 2 a bad flag or unreadable data (one line on stderr), 128 + signal when
 SIGINT/SIGTERM stopped it after a checkpoint (--resume continues it bit for bit).
 """
