@@ -8,8 +8,9 @@ step time (XLA:TPU's own cost model on TPU; a per-kernel roofline over the optim
 ``bsr_jax.roofline``) and, with ``breakdown=True``, the buffers live at the peak and the costliest
 kernels, by the op that produced them (module paths come from the ops' names). See docs/memory.md.
 
-Targets (``TARGETS``) need ``JAX_PLATFORMS=cpu`` (or another list without cuda) set before jax
-starts on a machine without a GPU, and the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
+Targets (``TARGETS``) need, on a machine without a GPU, jax started without its CUDA platform
+(``JAX_PLATFORMS=cpu``, which importing ``bsr_jax`` before jax sets where the user has not), and
+the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
 libtpu at jax's version; no CUDA toolkit, driver or TPU needed). Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
 workspaces beyond XLA's own scratch, and anything outside the compiled step (input pipeline, host
 copies).
