@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bsr_jax import sharding
+
 
 def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
     """``h (C, D) @ w (D, V)`` in h's dtype (as a Dense with ``dtype=h.dtype`` computes), accumulated and returned in f32."""
@@ -63,7 +65,9 @@ def _bwd(residuals, g):
         dh = jnp.dot(dlogits, w.astype(h.dtype).T, preferred_element_type=jnp.float32).astype(h.dtype)
         return dw + jnp.dot(h_c.T, dlogits, preferred_element_type=jnp.float32), dh
 
-    dw, dh = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), (h, labels, lse, g))
+    # Inside shard_map the accumulator must vary over the manual axes its updates vary over.
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in (h, w, labels, lse, g)))
+    dw, dh = jax.lax.scan(body, sharding.vary_over(jnp.zeros(w.shape, jnp.float32), varying), (h, labels, lse, g))
     return dh, dw.astype(w.dtype), None
 
 

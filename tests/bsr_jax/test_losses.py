@@ -77,3 +77,21 @@ def test_bad_arguments_raise():
         chunked_softmax_cross_entropy(h, w.T, labels)
     with pytest.raises(ValueError, match="chunk"):
         chunked_softmax_cross_entropy(h, w, labels, chunk=0)
+
+
+def test_inside_shard_map_as_a_data_parallel_step_calls_it():
+    from jax.sharding import Mesh, PartitionSpec
+
+    h, w, labels = inputs()
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+
+    def local(h, w, labels):
+        w = jax.lax.pcast(w, "data", to="varying")  # replicated params as per-device values (train.sharding)
+        grads = jax.grad(lambda h, w: chunked_softmax_cross_entropy(h, w, labels, chunk=8).mean(), argnums=(0, 1))(h, w)
+        return grads[0], jax.lax.pmean(grads[1], "data")
+
+    spec = PartitionSpec("data")
+    mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, PartitionSpec(), spec), out_specs=(spec, PartitionSpec())))
+    want = jax.grad(lambda h, w: plain(h, w, labels).mean(), argnums=(0, 1))(h, w)
+    for got, ref in zip(mapped(h, w, labels), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)

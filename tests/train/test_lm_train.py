@@ -149,7 +149,7 @@ def test_cli_on_4_devices_trains_what_one_device_trains(cache):
 
     flags = ["--data-dir", CORPUS, "--val-fraction", "0.2", "--tokenizer", "bytes", "--dim", "32", "--depth", "2", "--heads", "2",
              "--seq-len", "16", "--batch-size", "8", "--steps", "3", "--log-every", "1", "--eval-windows", "8", "--dtype", "float32",
-             "--storage-dtype", "int8", "--block", "16", "--scan"]  # fmt: skip
+             "--storage-dtype", "int8", "--block", "16", "--scan", "--loss-chunk", "24"]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-m", "train.lm", *flags, "--workdir", str(cache / "four")], env=env, cwd=root,
