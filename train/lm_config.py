@@ -98,7 +98,10 @@ class LMConfig:
                 self.rounding == "nearest" or (self.rounding in ROUNDINGS and self.storage_dtype in STOCHASTIC_ROUNDING_DTYPES),
                 f"one of {ROUNDINGS}; 'stochastic' needs --storage-dtype {' or '.join(STOCHASTIC_ROUNDING_DTYPES)}",
             ),
-            "sparse_head": (not (self.sparse_head and self.tie), "off with --tie (the tied head is the embedding, not a Dense)"),
+            "sparse_head": (
+                not (self.sparse_head and (self.tie or self.loss_chunk)),
+                "off with --tie or --loss-chunk (the head is then the embedding, or a product inside the chunked loss)",
+            ),
             "sparsity_warmup_steps": (self.sparsity_warmup_steps >= 0, ">= 0"),
             "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
             "lr": (self.lr > 0, "> 0"),

@@ -61,7 +61,7 @@ def compression_rules(config: LMConfig, level: float = 1.0) -> list[bsr_jax.Rule
                            selection=config.selection, storage_dtype=config.storage_dtype, stochastic=config.stochastic,
                            rounding=config.rounding)  # fmt: skip
     rules = [bsr_jax.Rule(p, dataclasses.replace(base, sparsity=round(v * level, 6))) for p, v in config.layer_sparsity]
-    if not config.tie and not config.sparse_head:
+    if not (config.tie or config.loss_chunk or config.sparse_head):  # with those the head is not a Dense call
         rules.append(bsr_jax.Rule("head", None))
     return [*rules, bsr_jax.Rule("*", base)]
 
