@@ -11,7 +11,7 @@ from bsr_jax.lean import lean_neighbours
 from bsr_jax.linear import bsr_linear
 from bsr_jax.pooling import Pooling
 # Submodules the README uses as attributes (bsr_jax.schedules.layer_sparsity, ...); each costs ~1 ms.
-from bsr_jax import presets, quantize, schedules, sensitivity, sharding
+from bsr_jax import dx, presets, quantize, roofline, schedules, sensitivity, sharding
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
 from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.compiled import CompiledStep, compiled_memory
@@ -21,7 +21,9 @@ __all__ = [
     "compress_model",
     "Conv",
     "Pooling",
+    "dx",
     "presets",
+    "roofline",
     "quantize",
     "schedules",
     "sensitivity",

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from train import run_dir
 # The option lists are re-exported: callers and tests find every flag's allowed values here.
 from train.options import (  # noqa: F401
-    AUGMENTS, BACKENDS, COMPRESSIONS, CRITERIA, DATASETS, DTYPES, HELP, MODELS, OPTIMIZERS, POOLING_FACTORS,
+    AUGMENTS, BACKENDS, COMPRESSIONS, CRITERIA, DATASETS, DTYPES, DX_FORMATS, HELP, MODELS, OPTIMIZERS, POOLING_FACTORS,
     RESMLP_MODELS, RESMLP_ONLY, RESNET_MODELS, RESUME_OVERRIDES, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES,
     STORAGE_DTYPES,
 )
@@ -102,6 +102,8 @@ class TrainConfig:
     stochastic: bool = False
     sparsity_warmup_epochs: float = 0.0
     layer_sparsity: tuple[tuple[str, float], ...] = ()
+    # Approximate input gradients (bsr_jax.dx): the GELU input stored in this format.
+    dx: Literal["int8", "int4"] | None = None
     # Optimisation.
     optimizer: Literal["adamw", "lamb"] = "adamw"
     lr: float = 1e-3
@@ -133,6 +135,7 @@ class TrainConfig:
             "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
             "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
             "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
+            "dx": (self.dx in (None, *DX_FORMATS), f"None or one of {DX_FORMATS}"),
             "rounding": (
                 self.rounding == "nearest" or (self.rounding in ROUNDINGS and self.storage_dtype in STOCHASTIC_ROUNDING_DTYPES and self.compression is None),
                 f"one of {ROUNDINGS}; 'stochastic' needs --storage-dtype {' or '.join(STOCHASTIC_ROUNDING_DTYPES)} and no --compression",
@@ -276,6 +279,7 @@ def build_parser(
         "criterion": CRITERIA,
         "selection": SELECTIONS,
         "storage_dtype": STORAGE_DTYPES,
+        "dx": DX_FORMATS,
         "rounding": ROUNDINGS,
         "backend": BACKENDS,
         "compression": COMPRESSIONS,

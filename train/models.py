@@ -44,8 +44,9 @@ from train.resnet import ResNet, compression_rules
 
 ModuleDef = Any
 
-# Exact (erf) GELU as in ResMLP; recomputed in the backward pass from its input alone.
-_gelu = jax.checkpoint(functools.partial(nn.gelu, approximate=False))
+# Exact (erf) GELU as in ResMLP; recomputed in the backward pass from its input alone (stored in
+# the block's ``dx`` format when it has one: bsr_jax.dx).
+_gelu = functools.partial(nn.gelu, approximate=False)
 
 
 def dense_def(pruning: bsr_jax.Pruning | None = None, *, backend: str | None = None, **shorthand: Any) -> ModuleDef:
@@ -80,6 +81,7 @@ class ResMLPBlock(nn.Module):
     layerscale_init: float
     mlp_ratio: int = 4
     dtype: Any = None
+    dx: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -90,7 +92,8 @@ class ResMLPBlock(nn.Module):
         x = x + scale(name="layerscale1")(jnp.swapaxes(y, -1, -2))
         y = self.affine(dtype=self.dtype, name="affine2")(x)
         y = self.dense(features=self.mlp_ratio * dim, dtype=self.dtype, name="fc1")(y)
-        y = self.dense(features=dim, dtype=self.dtype, name="fc2")(_gelu(y))
+        gelu = bsr_jax.dx.stored_compressed(_gelu, self.dx) if self.dx else jax.checkpoint(_gelu)
+        y = self.dense(features=dim, dtype=self.dtype, name="fc2")(gelu(y))
         return x + scale(name="layerscale2")(y)
 
 
@@ -124,6 +127,8 @@ class ResMLP(nn.Module):
         elementwise ops); ``None`` saves nothing but the block input.
       layerscale_init: LayerScale initial value; ``None`` uses ``layerscale_init_for(depth)``.
       dtype: computation dtype (e.g. ``jnp.bfloat16``); params stay ``float32``.
+      dx: ``None`` (exact input gradients) or a ``bsr_jax.dx`` format (``"int8"``, ``"int4"``):
+        the GELU input, which GELU's backward needs, is stored in it (approximate dx).
     """
 
     num_classes: int
@@ -140,6 +145,7 @@ class ResMLP(nn.Module):
     mlp_ratio: int = 4
     layerscale_init: float | None = None
     dtype: Any = None
+    dx: str | None = None
 
     @nn.compact
     def __call__(self, images: jax.Array) -> jax.Array:
@@ -155,7 +161,7 @@ class ResMLP(nn.Module):
         init = layerscale_init_for(self.depth) if self.layerscale_init is None else self.layerscale_init
         block = nn.remat(ResMLPBlock, policy=self.remat_policy) if self.remat else ResMLPBlock
         for i in range(self.depth):
-            x = block(self.dense, self.affine, self.layerscale, init, self.mlp_ratio, dtype=self.dtype, name=f"block{i}")(x)
+            x = block(self.dense, self.affine, self.layerscale, init, self.mlp_ratio, dtype=self.dtype, dx=self.dx, name=f"block{i}")(x)
         x = self.affine(dtype=self.dtype, name="final_affine")(x)
         logits = self.head_dense(features=self.num_classes, dtype=self.dtype, name="head")(x.mean(axis=1))
         return logits.astype(jnp.float32)
@@ -234,6 +240,7 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
         affine=affine,
         layerscale=layerscale,
         dtype=dtype,
+        dx=config.dx,
         **preset,
     )
 
@@ -263,4 +270,4 @@ def _folded(paths: list[str]) -> str:
 
 def dense_counterpart(config: TrainConfig) -> TrainConfig:
     """``config`` with nothing pruned or compressed: the baseline its residual memory is compared to."""
-    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, rounding="nearest", stochastic=False, compression=None)
+    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, rounding="nearest", stochastic=False, compression=None, dx=None)

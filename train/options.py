@@ -16,13 +16,14 @@ RESMLP_MODELS = ("tiny", "s12", "s24", "b24")
 RESNET_MODELS = ("resnet18", "resnet50")  # train.resnet.PRESETS
 MODELS = RESMLP_MODELS + RESNET_MODELS
 # ResMLP-only settings: a ResNet run must leave them at their defaults.
-RESMLP_ONLY = ("depth", "sparse_stem", "sparse_head", "prune_scale_shift", "layer_sparsity")
+RESMLP_ONLY = ("depth", "sparse_stem", "sparse_head", "prune_scale_shift", "layer_sparsity", "dx")
 # --compression: window side of bsr_jax.Pooling on every ResNet convolution's input.
 POOLING_FACTORS = {"pool2": 2, "pool4": 4}
 COMPRESSIONS = tuple(POOLING_FACTORS)
 CRITERIA = ("l2", "l1")
 SELECTIONS = ("global", "column")
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
+DX_FORMATS = ("int8", "int4")  # bsr_jax.dx.DX_FORMATS
 ROUNDINGS = ("nearest", "stochastic")
 STOCHASTIC_ROUNDING_DTYPES = ("int8", "int4")
 BACKENDS = ("auto", "cpu", "xla", "pallas", "reference")
@@ -53,6 +54,8 @@ HELP = {
     "sparse_stem": "also prune the patch embedding's input",
     "sparse_head": "also prune the classifier's input",
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
+    "dx": f"approximate input gradients: store the GELU input, which GELU's exact backward needs, in one of {', '.join(DX_FORMATS)} "
+          "(per-row scales every 128 values); default exact",
     "storage_dtype": f"store kept blocks in lower precision ({', '.join(STORAGE_DTYPES)}), dequantized in the backward pass",
     "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",
     "compression": "ResNet only: keep the window means of every convolution's input for its weight gradient, "

@@ -37,13 +37,14 @@ def run_cli(module: str, *args: str, home, **env: str) -> subprocess.CompletedPr
 
 
 def test_option_lists_match_the_library_and_the_models():
-    from bsr_jax import backends, format as bsr_format
+    from bsr_jax import backends, dx, format as bsr_format
     from train import resnet
     from train.models import PRESETS
 
     assert config_lib.MODELS == (*PRESETS, *resnet.PRESETS)
     assert config_lib.RESNET_MODELS == tuple(resnet.PRESETS)
     assert set(config_lib.STORAGE_DTYPES) == set(bsr_format.STORAGE_DTYPES)
+    assert config_lib.DX_FORMATS == dx.DX_FORMATS
     assert set(config_lib.CRITERIA) == set(bsr_format.CRITERIA)
     assert set(config_lib.SELECTIONS) == set(bsr_format.SELECTIONS)
     assert set(config_lib.ROUNDINGS) == set(bsr_format.ROUNDINGS)

@@ -1,0 +1,102 @@
+"""Approximate input gradients (bsr_jax.dx): the forward pass exact, the backward pass plain
+autodiff's at the stored (int8/int4) inputs, within the formats' rounding; the compiled step keeps
+the stored codes instead of the input."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bsr_jax
+from bsr_jax import dx as dx_lib
+from train import models
+
+_gelu = lambda x: jax.nn.gelu(x, approximate=False)  # noqa: E731
+
+
+def _relative(a, b) -> float:
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _inputs():
+    x = jax.random.normal(jax.random.key(0), (256, 512)) * 3.0
+    return x, jax.random.normal(jax.random.key(1), (256, 512))
+
+
+def test_without_a_format_the_function_is_returned_as_it_is():
+    assert dx_lib.stored_compressed(_gelu, None) is _gelu
+
+
+@pytest.mark.parametrize("dx,bound", [("int8", 0.02), ("int4", 0.2)])
+def test_forward_is_exact_and_dx_is_autodiff_at_the_stored_input(dx, bound):
+    x, w = _inputs()
+    f = dx_lib.stored_compressed(_gelu, dx)
+    chex.assert_trees_all_equal(f(x), _gelu(x))
+    got = jax.grad(lambda x: jnp.sum(w * f(x)))(x)
+    exact = jax.grad(lambda x: jnp.sum(w * _gelu(x)))(x)
+    stored = dx_lib.decompress(dx_lib.compress(x, dx), x.shape)
+    at_stored = jax.vjp(_gelu, stored)[1](w)[0]
+    chex.assert_trees_all_close(got, at_stored, rtol=1e-6, atol=1e-6)  # what it computes, exactly
+    error = _relative(got, exact)
+    assert 0 < error < bound  # approximate, within the format's documented bound
+
+
+def test_int4_is_coarser_than_int8():
+    x, w = _inputs()
+    exact = jax.grad(lambda x: jnp.sum(w * _gelu(x)))(x)
+    errors = [_relative(jax.grad(lambda x: jnp.sum(w * dx_lib.stored_compressed(_gelu, f)(x)))(x), exact) for f in ("int8", "int4")]
+    assert errors[0] < errors[1] / 4
+
+
+def test_keys_masks_and_small_inputs_are_kept_as_they_are():
+    x, w = _inputs()
+
+    def attention(q, k, scale, key):
+        p = jax.nn.softmax(q @ k.T * scale)
+        return jax.random.bernoulli(key, 0.9, p.shape) * p
+
+    f = dx_lib.stored_compressed(attention, "int8")
+    q, k, scale, key = x[:, :64], w[:, :64], jnp.float32(0.125), jax.random.key(3)
+    chex.assert_trees_all_equal(f(q, k, scale, key), attention(q, k, scale, key))
+    got = jax.grad(lambda q, k, s: jnp.sum(f(q, k, s, key) * 2.0), argnums=(0, 1, 2))(q, k, scale)
+    exact = jax.grad(lambda q, k, s: jnp.sum(attention(q, k, s, key) * 2.0), argnums=(0, 1, 2))(q, k, scale)
+    for g, e in zip(got, exact):
+        assert _relative(g, e) < 0.05
+
+
+def test_bad_formats_are_named():
+    with pytest.raises(ValueError, match=r"dx must be None \(exact\) or one of \('int8', 'int4'\), got 'int2'"):
+        dx_lib.stored_compressed(_gelu, "int2")
+
+
+def test_the_compiled_step_keeps_int8_codes_not_the_input():
+    """A GELU MLP compiled for H100: with dx int8, the f32 GELU input is not what the backward
+    keeps; the peak falls by most of its bytes."""
+    w1 = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((8192, 256), jnp.float32)
+
+    def step(dx):
+        act = dx_lib.stored_compressed(_gelu, dx) if dx else jax.checkpoint(_gelu)
+        return jax.grad(lambda w, x: jnp.sum(act(x @ w) ** 2))
+
+    exact = bsr_jax.compiled_memory(step(None), w1, x, target="h100")
+    int8 = bsr_jax.compiled_memory(step("int8"), w1, x, target="h100")
+    hidden = 8192 * 1024 * 4
+    assert int8.peak < exact.peak - 0.6 * hidden
+    text = bsr_jax.compiled.compile_for(step("int8"), w1, x, target="h100").as_text()
+    assert "s8[8388608]" in text  # the stored codes, flattened
+
+
+def test_resmlp_with_approximate_dx_keeps_its_forward_and_parameters():
+    x = jax.random.normal(jax.random.key(2), (4, 32, 32, 3))
+    common = dict(num_classes=10, dim=64, depth=2, patch_size=4)
+    exact, approx = models.ResMLP(**common), models.ResMLP(**common, dx="int8")
+    params = exact.init(jax.random.key(0), x)
+    chex.assert_trees_all_equal(jax.tree.structure(params), jax.tree.structure(approx.init(jax.random.key(0), x)))
+    chex.assert_trees_all_equal(approx.apply(params, x), exact.apply(params, x))
+    loss = lambda m: (lambda p: jnp.mean(m.apply(p, x) ** 2))  # noqa: E731
+    got, want = jax.grad(loss(approx))(params), jax.grad(loss(exact))(params)
+    flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
+    errors = [_relative(g, w) for g, w in zip(flat_got, flat_want) if float(jnp.linalg.norm(w)) > 0]
+    assert max(errors) < 0.05 and np.mean(errors) > 0  # approximate, close
