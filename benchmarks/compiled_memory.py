@@ -17,7 +17,9 @@ Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``
 parameter-gradient residual in int4, the recommended setting); ``lean`` (compress_model with
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
 (per block, ``dots_with_no_batch_dims_saveable``); ``remat-dots-all`` (``dots_saveable``);
-``remat-offload`` (``offload_dot_with_no_batch_dims`` to ``pinned_host``); ``remat-int4`` (int4 inside blocks remat'd with
+``remat-offload`` (``offload_dot_with_no_batch_dims`` to ``pinned_host``); ``int4-dx8`` and
+``int4-dx4`` (ResMLP only: ``int4`` with the GELU input stored in int8 / int4, ``bsr_jax.dx``:
+approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
 values of a row, lane-dense as blocks on TPU); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
@@ -52,12 +54,14 @@ from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
 SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
-            "remat-offload", "remat-int4")
+            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 # The same storage with one scale per 128 values of a row: lane-dense as blocks on TPU (docs/memory.md).
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
+# int4 with approximate dx (bsr_jax.dx): the GELU input stored in int8 / int4 (ResMLP only, for now).
+DX_SETTINGS = {"int4-dx8": "int8", "int4-dx4": "int4"}
 # presets.recommended's measured settings (every residual under one Pruning), peaks read back by
 # presets.MEASURED: named as in the accuracy study.
 PRESET_SETTINGS = {m.config: m.pruning for m in presets.MEASURED if m.config != "dense"}
@@ -73,23 +77,24 @@ REMAT_POLICIES = {
 
 
 def _resmlp(setting: str):
-    pruning = {"topk": TOPK, "topk-all": TOPK, "topk-wide": TOPK_WIDE, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4}.get(setting) or PRESET_SETTINGS.get(setting)
+    pruning = ({"topk": TOPK, "topk-all": TOPK, "topk-wide": TOPK_WIDE, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4,
+                "int4-dx8": INT4, "int4-dx4": INT4}.get(setting) or PRESET_SETTINGS.get(setting))  # fmt: skip
     if setting in ("lean", "pool2"):
         return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
     remat = setting.startswith("remat")
     policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
-    every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4") or setting in PRESET_SETTINGS
+    every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4", "int4-dx8", "int4-dx4") or setting in PRESET_SETTINGS
     affine, layerscale = train_models.scale_shift_defs(pruning if every_residual else None)
     model = train_models.ResMLP(
         num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
         head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, remat=remat, remat_policy=policy,
-        **train_models.PRESETS["s12"],
+        dx=DX_SETTINGS.get(setting), **train_models.PRESETS["s12"],
     )
     return model, (128, 32, 32, 3), 10, contextlib.nullcontext()
 
 
 def _third_party(name: str, setting: str):
-    if setting in ("pool2", "topk-all") or setting in PRESET_SETTINGS:
+    if setting in ("pool2", "topk-all") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
         return None  # no convolutions to pool
     if name == "vit-b16":
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=64, image=224, patch=16, classes=1000)
@@ -114,7 +119,7 @@ def _resnet50(setting: str):
     # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
-    if setting in ("lean", "int4-rows", "topk-all", "topk-wide") or setting in PRESET_SETTINGS:
+    if setting in ("lean", "int4-rows", "topk-all", "topk-wide") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
         return None  # ResMLP/transformer settings: convolutions quantize in Pooling's own blocks
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
