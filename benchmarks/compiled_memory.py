@@ -255,13 +255,14 @@ def main(argv=None) -> None:
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
+    parser.add_argument("--remeasure", action="store_true", help="measure the chosen rows again even where --out has them")
     parser.add_argument("--plots", default="docs/results", help="where the peak-vs-time figure of each model goes")
     args = parser.parse_args(argv)
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
     if not args.table_only:
         meta = run_metadata()
         # Rows measured before the modelled time existed are measured again and replaced.
-        done = {(r["model"], r["setting"], r["target"]) for r in saved["runs"] if "modelled_seconds" in r}
+        done = set() if args.remeasure else {(r["model"], r["setting"], r["target"]) for r in saved["runs"] if "modelled_seconds" in r}
         for name in args.models:
             for target in args.targets:
                 for setting in args.settings:
