@@ -203,6 +203,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plane_table(rows: list[dict]) -> str:
+    """Peak and modelled time as ratios to dense, both targets side by side, one line per model and
+    setting; on TPU the roofline's own ratio and its agreement with XLA's model (roofline seconds /
+    XLA:TPU's seconds) beside."""
+    by = {(r["model"], r["target"], r["setting"]): r for r in rows if r.get("roofline_seconds")}
+    ratio = lambda r, d, key: f"{r[key] / d[key]:.2f}" if r and d and r.get(key) and d.get(key) else "-"  # noqa: E731
+    lines = ["| model | setting | H100 peak | H100 time | TPU v5p peak | TPU v5p time | TPU roofline time | roofline / XLA:TPU |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, setting in dict.fromkeys((m, s) for m, _, s in by):
+        cells = []
+        for target in DEVICELESS_TARGETS:
+            r, d = by.get((model, target, setting)), by.get((model, target, "dense"))
+            cells += [ratio(r, d, "peak_mib"), ratio(r, d, "modelled_seconds")]
+        r, d = by.get((model, "tpu-v5p", setting)), by.get((model, "tpu-v5p", "dense"))
+        agreement = f"{r['roofline_seconds'] / r['modelled_seconds']:.2f}" if r and r.get("modelled_seconds") else "-"
+        cells += [ratio(r, d, "roofline_seconds"), agreement]
+        lines.append(f"| {model} | {setting} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
     """The points no other point beats on both peak and time (lower is better), by peak."""
     front, best_time = [], float("inf")
@@ -225,17 +245,22 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     written = []
     for name in sorted({r["model"] for r in rows}):
         fig, ax = plt.subplots(figsize=(7, 5))
+        drawn = False
         for target, color in zip(DEVICELESS_TARGETS, ("tab:green", "tab:blue")):
             d = dense.get((name, target))
             points = [(r["peak_mib"] / d["peak_mib"], r["modelled_seconds"] / d["modelled_seconds"], r["setting"])
                       for r in rows if d and r["model"] == name and r["target"] == target and r.get("modelled_seconds")]
             if not points:
                 continue
+            drawn = True
             ax.scatter([p[0] for p in points], [p[1] for p in points], color=color, label=target, s=18)
             for x, y, label in points:
                 ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=color)
             front = pareto(points)
             ax.plot([p[0] for p in front], [p[1] for p in front], color=color, lw=1, ls="--")
+        if not drawn:
+            plt.close(fig)
+            continue
         ax.set_xlabel("compiled peak / dense peak")
         ax.set_ylabel("modelled step time / dense (H100: roofline; TPU v5p: XLA)")
         ax.set_title(f"{name}: full adamw step, deviceless (dashed: Pareto front)")
@@ -280,6 +305,8 @@ def main(argv=None) -> None:
                         json.dump(saved, f, indent=1)
         print(footer(meta))
     print(table(saved["runs"]))
+    print()
+    print(plane_table(saved["runs"]))
     for path in plot(saved["runs"], args.plots):
         print(f"wrote {path}")
 
