@@ -45,6 +45,7 @@ _FREE = {
     "collective-permute-done", "async-done", "async-update", "iota",
 }
 _SLICING = {"dynamic-slice", "slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice", "scatter"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +272,13 @@ class _Model:
         """Bytes a kernel moves: its operands and outputs, less what a fusion never touches."""
         operand_bytes = [type_bytes(shapes[o]) for o in instr.operands]
         out_bytes = type_bytes(instr.type)
+        if instr.opcode in _SLICING:  # reads what it returns (and its indices)
+            return 2 * out_bytes + sum(operand_bytes[1:])
+        # In place: the buffer it was given is neither read nor rewritten, only the update is written.
+        if instr.opcode == "dynamic-update-slice":  # (buffer, update, *indices)
+            return 2 * operand_bytes[1] + sum(operand_bytes[2:])
+        if instr.opcode == "scatter":  # (buffer, indices, updates)
+            return 2 * sum(operand_bytes[2:]) + operand_bytes[1]
         if instr.opcode == "custom-call" and instr.type.startswith("("):
             out_bytes = type_bytes(instr.type[1:].split("}", 1)[0] + "}")  # cuBLAS/cuDNN: the result, not the workspace
         callee = re.search(r"calls=%([\w.\-]+)", instr.attrs)
@@ -286,9 +294,9 @@ class _Model:
                 uses = users.get(param.name, [])
                 if uses and all(u.opcode in _SLICING and u.operands[0] == param.name for u in uses):
                     operand_bytes[k] = sum(type_bytes(u.type) for u in uses)
-                elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == param.name for u in uses):
+                elif uses and all(u.opcode in _IN_PLACE and u.operands[0] == param.name for u in uses):
                     # In place: the buffer is neither read nor rewritten, only the update is written.
-                    update = sum(type_bytes(body_shapes[u.operands[1]]) for u in uses)
+                    update = sum(type_bytes(body_shapes[u.operands[-1 if u.opcode == "scatter" else 1]]) for u in uses)
                     operand_bytes[k] = 0.0
                     out_bytes -= type_bytes(param.type) - update
         return sum(operand_bytes) + max(out_bytes, 0.0)

@@ -150,3 +150,34 @@ def test_the_pallas_weight_gradient_is_not_free_to_the_roofline():
     assert kernel.bytes >= moved
     assert kernel.seconds >= moved / rl.H100.hbm_bytes_per_s
     assert step.modelled_seconds >= kernel.seconds
+
+
+IN_PLACE = """HloModule m
+
+%fused_dus (buf: f32[100,250], upd: f32[1,250], i: s32[]) -> f32[100,250] {
+  %buf = f32[100,250]{1,0} parameter(0)
+  %upd = f32[1,250]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[100,250]{1,0} dynamic-update-slice(%buf, %upd, %i, %zero)
+}
+
+ENTRY %main (b: f32[100,250], u: f32[1,250], j: s32[], s: f32[100,250]) -> (f32[100,250], f32[1,250]) {
+  %b = f32[100,250]{1,0} parameter(0)
+  %u = f32[1,250]{1,0} parameter(1)
+  %j = s32[] parameter(2)
+  %s = f32[100,250]{1,0} parameter(3)
+  %zero.1 = s32[] constant(0)
+  %f = f32[100,250]{1,0} fusion(%b, %u, %j), kind=kLoop, calls=%fused_dus
+  %ds = f32[1,250]{1,0} dynamic-slice(%s, %j, %zero.1), dynamic_slice_sizes={1,250}
+  ROOT %t = (f32[100,250]{1,0}, f32[1,250]{1,0}) tuple(%f, %ds)
+}
+"""
+
+
+def test_scanned_layers_move_their_slices_not_their_stacks():
+    """A scan writes one layer's slice of a stacked buffer in place and reads one slice of another:
+    each kernel moves the slice (1000 bytes) and its indices, not the (100, 250) stack."""
+    kernels = {k.name: k for k in rl.roofline(IN_PLACE, TOY).kernels}
+    assert kernels["f"].bytes == 1000 + 4 + 1000  # the update read, the index, the update written
+    assert kernels["ds"].bytes == 1000 + 2 * 4 + 1000  # the slice read, two indices, the slice written
