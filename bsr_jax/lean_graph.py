@@ -17,7 +17,13 @@ recognising any name:
    mask) and of anything not known to be cheap are saved; everything cheap (elementwise math,
    reductions, reshapes, gathers, random bits, and products with batch axes such as attention's
    ``q k^T`` and ``p v``) is recomputed in the backward pass from the segment's inputs and the
-   saved values.
+   saved values. ``jax.nn.relu`` and other calls (``custom_jvp``, ``jit``, nested checkpoints)
+   count as what they call;
+4. a module's own computation that reads a cheap output of one of its submodules (a parent adding
+   its children's BatchNorm outputs and applying ReLU) recomputes that output inside its
+   checkpoint from what the submodule keeps anyway, rather than keeping it as a checkpoint input:
+   each checkpoint keeps its inputs, and XLA, which recomputes such outputs in a dense step, cannot
+   look across a checkpoint's boundary.
 
 So each module keeps only what its exact backward needs from its inputs and its linear layers'
 outputs: a hand-written RMSNorm its input; ``silu(gate) * up`` the gate and up projections; einsum
@@ -63,6 +69,11 @@ CHEAP = frozenset(
 )
 
 
+# Primitives that only call a jaxpr (``jax.nn.relu`` is a ``custom_jvp`` around a ``jit``): kept or
+# recomputed as what they call.
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call"})
+
+
 def policy(prim, *avals, **params) -> bool:
     """A ``jax.checkpoint`` policy: True where the output is kept rather than recomputed."""
     del avals
@@ -71,22 +82,62 @@ def policy(prim, *avals, **params) -> bool:
     if prim.name == "dot_general":  # batch axes: attention-like, two activations; else a linear layer
         (_, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
         return not (lhs_batch or rhs_batch)
+    if prim.name in CALLS:
+        return not all(recomputed(e) for jaxpr in jax_core.jaxprs_in_params(params) for e in jaxpr.eqns)
     return prim.name not in CHEAP
 
 
-def _segments(eqns: list[Any]) -> list[list[Any]]:
+def recomputed(eqn: Any) -> bool:
+    """Whether ``policy`` recomputes ``eqn``'s outputs rather than keeping them."""
+    return not policy(eqn.primitive, **eqn.params)
+
+
+def _segments(eqns: list[Any]) -> tuple[list[list[Any]], list[str]]:
     """Maximal runs of consecutive equations with one module path (einsum specs and transform
-    wrappers in the name stack do not count: ``module_path`` drops them)."""
+    wrappers in the name stack do not count: ``module_path`` drops them), and each run's path."""
     segments: list[list[Any]] = []
-    last = None
+    paths: list[str] = []
     for eqn in eqns:
         path = module_path(eqn.source_info.name_stack)
-        if segments and path == last:
+        if segments and path == paths[-1]:
             segments[-1].append(eqn)
         else:
             segments.append([eqn])
-        last = path
-    return segments
+            paths.append(path)
+    return segments, paths
+
+
+def _below(path: str, parent: str) -> bool:
+    """Whether module ``path`` is a submodule (at any depth) of module ``parent``."""
+    return path.startswith(parent + "/") if parent else bool(path)
+
+
+def _pulled(segment: list[Any], path: str, producers: dict[Any, tuple[Any, int, str]]) -> list[Any]:
+    """The equations of submodules that ``segment`` (module ``path``'s own) recomputes rather than
+    keeping their outputs: the recomputed producers of its inputs that lie below ``path``, and
+    theirs in turn as long as each lies in its reader's segment or below its reader's module (a
+    parent's ReLU reads a child's BatchNorm output, which reads the grandchild convolution's
+    output). The chain stops at what is kept anyway (products, convolutions, named residuals),
+    and never follows a value across sibling modules (a residual stream from block to block).
+
+    Without this, a module's own computation reading a cheap output of a submodule (transformers'
+    ResNet adds its children's BatchNorm outputs and applies ReLU) keeps that output as an input
+    of its ``jax.checkpoint``, beside the submodule's input, kept for the submodule's backward:
+    two arrays where XLA, with no checkpoint boundary between them, keeps one and recomputes the
+    other."""
+    defined = {v for eqn in segment for v in eqn.outvars}
+    pulled: dict[int, Any] = {}
+    todo = [(v, path, None) for eqn in segment for v in eqn.invars]  # (input, reader's path, reader's segment)
+    while todo:
+        v, reader_path, reader_segment = todo.pop()
+        if not isinstance(v, jax_core.Var) or v in defined or v not in producers:
+            continue
+        eqn, index, eqn_path = producers[v]
+        if id(eqn) in pulled or not (index == reader_segment or _below(eqn_path, reader_path)) or not recomputed(eqn):
+            continue
+        pulled[id(eqn)] = eqn
+        todo.extend((u, eqn_path, index) for u in eqn.invars)
+    return list(pulled.values())
 
 
 def _read(env: dict[Any, Any], v: Any) -> Any:
@@ -109,21 +160,26 @@ def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any]) -> Callabl
 
 
 def evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
-    """``jaxpr``'s outputs, each segment (module) evaluated under ``jax.checkpoint(policy=policy)``."""
-    segments = _segments(jaxpr.eqns)
+    """``jaxpr``'s outputs, each segment (module) evaluated under ``jax.checkpoint(policy=policy)``,
+    with the cheap outputs of its submodules that it reads recomputed inside (``_pulled``)."""
+    segments, paths = _segments(jaxpr.eqns)
+    order = {id(eqn): i for i, eqn in enumerate(jaxpr.eqns)}
+    producers = {v: (eqn, i, path) for i, (segment, path) in enumerate(zip(segments, paths)) for eqn in segment for v in eqn.outvars}
+    # Each segment's equations to run: the pulled producers (in program order), then its own.
+    runs = [sorted(_pulled(segment, path, producers), key=lambda e: order[id(e)]) + segment for segment, path in zip(segments, paths)]
     # Variables read after each segment (by later segments or as outputs): what it must return.
     needed_after: list[set[Any]] = []
     live = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
-    for segment in reversed(segments):
+    for run in reversed(runs):
         needed_after.append(set(live))
-        live.update(v for eqn in segment for v in eqn.invars if isinstance(v, jax_core.Var))
+        live.update(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var))
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    for segment, after in zip(segments, reversed(needed_after)):
-        defined = {v for eqn in segment for v in eqn.outvars}
-        ins = list(dict.fromkeys(v for eqn in segment for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined))
+    for segment, run, after in zip(segments, runs, reversed(needed_after)):
+        defined = {v for eqn in run for v in eqn.outvars}
+        ins = list(dict.fromkeys(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined))
         outs = [v for eqn in segment for v in eqn.outvars if v in after]
-        values = jax.checkpoint(_run_segment(segment, ins, outs), policy=policy)(*(env[v] for v in ins))
+        values = jax.checkpoint(_run_segment(run, ins, outs), policy=policy)(*(env[v] for v in ins))
         env.update(zip(outs, values))
     return [_read(env, v) for v in jaxpr.outvars]
 
