@@ -8,7 +8,10 @@ Linear NNX model. They use plain ``nn.Dense``/``nn.DenseGeneral`` (inside
 bsr_jax: ``compress_model`` and the lean neighbours must handle them unmodified. GPT-2 and Llama
 are written as transformers' Flax models are: custom projection modules and bare products on
 parameters, activations from an ``ACT2FN`` dict, heads tied through nested applies, hand-written
-RMSNorm, SwiGLU and einsum attention with rotary embeddings.
+RMSNorm, SwiGLU and einsum attention with rotary embeddings. ``HFResNetForImageClassification`` is a
+bottleneck ResNet written as transformers' Flax ResNet is: each conv layer a module of convolution,
+``nn.BatchNorm`` submodule and activation from ``ACT2FN``; the projection shortcut a module of
+convolution and BatchNorm; the shortcut added, and ReLU applied, in the parent block.
 
 ``ISSUE`` is issue 13's configuration (4 layers, width 128, MLP 512, batch 8); ``TINY`` is small
 enough for unit tests. Images are 32x32x3 with 4x4 patches (64 tokens); the LM reads 64 tokens of a
@@ -257,6 +260,145 @@ class NnxMlp(nnx.Module):
 
     def __call__(self, x):
         return self.fc2(nnx.gelu(self.fc1(self.norm(x))))
+
+
+# ---- a ResNet as transformers writes it in Flax ----
+# BatchNorm is each layer's own submodule and the block's parent adds the shortcut and applies the
+# activation, so BatchNorm outputs cross module boundaries (bsr_jax issue 31: lean neighbours kept
+# both BatchNorm outputs and the ReLU output at each residual add). ``deterministic=False`` trains
+# (batch statistics, ``mutable=["batch_stats"]``), as the library's ``train=True`` does.
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetConfig:
+    embedding_size: int = 64
+    hidden_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    depths: tuple[int, ...] = (3, 4, 6, 3)
+    num_labels: int = 1000
+    hidden_act: str = "relu"
+
+
+class Identity(nn.Module):
+    @nn.compact
+    def __call__(self, x, **kwargs):
+        return x
+
+
+class HFResNetConvLayer(nn.Module):
+    out_channels: int
+    kernel_size: int = 3
+    stride: int = 1
+    activation: str | None = "relu"
+
+    def setup(self):
+        k = self.kernel_size
+        self.convolution = nn.Conv(self.out_channels, (k, k), strides=self.stride, padding=k // 2, use_bias=False)
+        self.normalization = nn.BatchNorm(momentum=0.9, epsilon=1e-5)
+        self.activation_func = ACT2FN[self.activation] if self.activation is not None else Identity()
+
+    def __call__(self, x, deterministic: bool = True):
+        h = self.normalization(self.convolution(x), use_running_average=deterministic)
+        return self.activation_func(h)
+
+
+class HFResNetShortCut(nn.Module):
+    out_channels: int
+    stride: int = 2
+
+    def setup(self):
+        self.convolution = nn.Conv(self.out_channels, (1, 1), strides=self.stride, use_bias=False)
+        self.normalization = nn.BatchNorm(momentum=0.9, epsilon=1e-5)
+
+    def __call__(self, x, deterministic: bool = True):
+        return self.normalization(self.convolution(x), use_running_average=deterministic)
+
+
+class HFResNetBottleNeckLayerCollection(nn.Module):
+    out_channels: int
+    stride: int = 1
+    reduction: int = 4
+
+    def setup(self):
+        reduced = self.out_channels // self.reduction
+        self.layer = [
+            HFResNetConvLayer(reduced, kernel_size=1, name="0"),
+            HFResNetConvLayer(reduced, stride=self.stride, name="1"),
+            HFResNetConvLayer(self.out_channels, kernel_size=1, activation=None, name="2"),
+        ]
+
+    def __call__(self, h, deterministic: bool = True):
+        for layer in self.layer:
+            h = layer(h, deterministic=deterministic)
+        return h
+
+
+class HFResNetBottleNeckLayer(nn.Module):
+    in_channels: int
+    out_channels: int
+    stride: int = 1
+    activation: str = "relu"
+
+    def setup(self):
+        projected = self.in_channels != self.out_channels or self.stride != 1
+        self.shortcut = HFResNetShortCut(self.out_channels, stride=self.stride) if projected else None
+        self.layer = HFResNetBottleNeckLayerCollection(self.out_channels, stride=self.stride)
+        self.activation_func = ACT2FN[self.activation]
+
+    def __call__(self, h, deterministic: bool = True):
+        residual = h if self.shortcut is None else self.shortcut(h, deterministic=deterministic)
+        h = self.layer(h, deterministic)
+        h += residual
+        return self.activation_func(h)
+
+
+class HFResNetStage(nn.Module):
+    config: ResNetConfig
+    in_channels: int
+    out_channels: int
+    stride: int = 2
+    depth: int = 2
+
+    def setup(self):
+        act = self.config.hidden_act
+        first = HFResNetBottleNeckLayer(self.in_channels, self.out_channels, stride=self.stride, activation=act, name="0")
+        rest = [HFResNetBottleNeckLayer(self.out_channels, self.out_channels, activation=act, name=str(i + 1)) for i in range(self.depth - 1)]
+        self.layers = [first, *rest]
+
+    def __call__(self, h, deterministic: bool = True):
+        for layer in self.layers:
+            h = layer(h, deterministic=deterministic)
+        return h
+
+
+class HFResNetModule(nn.Module):
+    config: ResNetConfig
+
+    def setup(self):
+        c = self.config
+        self.embedder = HFResNetConvLayer(c.embedding_size, kernel_size=7, stride=2, activation=c.hidden_act)
+        ins = (c.embedding_size, *c.hidden_sizes[:-1])
+        self.stages = [HFResNetStage(c, i, o, stride=1 if k == 0 else 2, depth=d, name=str(k))
+                       for k, (i, o, d) in enumerate(zip(ins, c.hidden_sizes, c.depths))]  # fmt: skip
+
+    def __call__(self, pixel_values, deterministic: bool = True):
+        h = self.embedder(pixel_values, deterministic=deterministic)
+        h = nn.max_pool(h, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        for stage in self.stages:
+            h = stage(h, deterministic=deterministic)
+        return nn.avg_pool(h, h.shape[1:3], strides=h.shape[1:3])  # (B, 1, 1, C)
+
+
+class HFResNetForImageClassification(nn.Module):
+    """Images ``(B, H, W, 3)`` (channels last, as the library's module receives them) -> logits."""
+
+    config: ResNetConfig
+
+    def setup(self):
+        self.resnet = HFResNetModule(self.config)
+        self.classifier = nn.Dense(self.config.num_labels)
+
+    def __call__(self, pixel_values, deterministic: bool = True):
+        return self.classifier(self.resnet(pixel_values, deterministic)[:, 0, 0, :])
 
 
 # ---- factories at a config, with inputs and losses ----
@@ -539,3 +681,8 @@ def gpt2(c: Config = ISSUE) -> GPT2LMHead:
 
 def llama(c: Config = ISSUE) -> LlamaForCausalLM:
     return LlamaForCausalLM(c.vocab, c.width, c.mlp, c.heads, c.layers)
+
+
+def hf_resnet(c: ResNetConfig = ResNetConfig()) -> HFResNetForImageClassification:
+    """transformers' ResNet-50 at the default config; smaller ones for tests."""
+    return HFResNetForImageClassification(c)
