@@ -31,12 +31,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported after parsing, so --help and flag errors do not wait for JAX to start.
     from train.data_sources import DataError
     from train.lm_loop import train_and_evaluate
+    from train.run_dir import DamagedRecords
 
     try:
         result = train_and_evaluate(config, workdir)
-    except (DataError, UsageError) as error:
+    except (DataError, UsageError, DamagedRecords) as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the loop's own handlers: the corpus or tokenizer being prepared
+        print(f"{PROG}: stopped by SIGINT before the first step; run it again", file=sys.stderr)
+        return 130
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
 
 

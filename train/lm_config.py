@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from train import run_dir
-from train.config import InvalidSetting, UsageError, _layer_rule, _Parser  # noqa: F401  (UsageError: re-exported)
+from train.config import InvalidSetting, UsageError, _HelpFormatter, _layer_rule, _Parser  # noqa: F401  (UsageError: re-exported)
 from train.options import BACKENDS, CRITERIA, DTYPES, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES, STORAGE_DTYPES
 
 # train.lm_model.PRESETS' and train.lm_data.TOKENIZERS' names, repeated to stay JAX-free (a test keeps them equal).
@@ -213,7 +213,7 @@ def _flag(name: str) -> str:
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """One flag per ``LMConfig`` field plus ``--workdir``; errors are one line, exit code 2."""
-    parser = _Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(prog=prog, description=description, formatter_class=_HelpFormatter)
     parser.add_argument("--workdir", default="runs/lm", help="where metrics, config and checkpoints go")
     for field in dataclasses.fields(LMConfig):
         flag, default, text = _flag(field.name), field.default, HELP[field.name]
