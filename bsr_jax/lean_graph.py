@@ -127,16 +127,27 @@ def _pulled(segment: list[Any], path: str, producers: dict[Any, tuple[Any, int, 
     other."""
     defined = {v for eqn in segment for v in eqn.outvars}
     pulled: dict[int, Any] = {}
-    todo = [(v, path, None) for eqn in segment for v in eqn.invars]  # (input, reader's path, reader's segment)
-    while todo:
-        v, reader_path, reader_segment = todo.pop()
-        if not isinstance(v, jax_core.Var) or v in defined or v not in producers:
-            continue
-        eqn, index, eqn_path = producers[v]
-        if id(eqn) in pulled or not (index == reader_segment or _below(eqn_path, reader_path)) or not recomputed(eqn):
-            continue
-        pulled[id(eqn)] = eqn
-        todo.extend((u, eqn_path, index) for u in eqn.invars)
+    for v in dict.fromkeys(v for eqn in segment for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined):
+        chain: dict[int, Any] = {}
+        todo = [(v, path, None)]  # (input, reader's path, reader's segment)
+        while todo:
+            u, reader_path, reader_segment = todo.pop()
+            if not isinstance(u, jax_core.Var) or u not in producers:
+                continue
+            eqn, index, eqn_path = producers[u]
+            if id(eqn) in chain or id(eqn) in pulled:
+                continue
+            if not recomputed(eqn):
+                if index == reader_segment:
+                    # Kept only as computed inside the submodule (a Dense's product before its
+                    # bias): nothing kept anyway to recompute from, so the output stays an input.
+                    chain = {}
+                    break
+                continue
+            if index == reader_segment or _below(eqn_path, reader_path):
+                chain[id(eqn)] = eqn
+                todo.extend((w, eqn_path, index) for w in eqn.invars)
+        pulled.update(chain)
     return list(pulled.values())
 
 
