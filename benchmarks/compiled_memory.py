@@ -18,8 +18,9 @@ parameter-gradient residual in int4, the recommended setting); ``lean`` (compres
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
 (per block, ``dots_with_no_batch_dims_saveable``); ``remat-dots-all`` (``dots_saveable``);
 ``remat-offload`` (``offload_dot_with_no_batch_dims`` to ``pinned_host``); ``int4-dx8`` and
-``int4-dx4`` (ResMLP only: ``int4`` with the GELU input stored in int8 / int4, ``bsr_jax.dx``:
-approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
+``int4-dx4`` (``int4`` with what exact dx needs stored in int8 / int4, ``bsr_jax.dx``: ResMLP's
+GELU input; in ViT and the LM, ``compress_model(dx=...)``: every norm, activation and attention
+input; approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
 values of a row, lane-dense as blocks on TPU); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
@@ -60,7 +61,8 @@ TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md s
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 # The same storage with one scale per 128 values of a row: lane-dense as blocks on TPU (docs/memory.md).
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
-# int4 with approximate dx (bsr_jax.dx): the GELU input stored in int8 / int4 (ResMLP only, for now).
+# int4 with approximate dx (bsr_jax.dx): ResMLP's GELU input, a compress_model'd model's every
+# recognised norm, activation and attention input (compress_model(dx=...)) stored in int8 / int4.
 DX_SETTINGS = {"int4-dx8": "int8", "int4-dx4": "int4"}
 # presets.recommended's measured settings (every residual under one Pruning), peaks read back by
 # presets.MEASURED: named as in the accuracy study.
@@ -94,7 +96,7 @@ def _resmlp(setting: str):
 
 
 def _third_party(name: str, setting: str):
-    if setting in ("pool2", "topk-all") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
+    if setting in ("pool2", "topk-all") or setting in PRESET_SETTINGS:
         return None  # no convolutions to pool
     if name == "vit-b16":
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=64, image=224, patch=16, classes=1000)
@@ -103,9 +105,9 @@ def _third_party(name: str, setting: str):
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=8, length=2048, vocab=32000)
         model, shape, stand_in = tpm.lm(c, dtype=jnp.bfloat16), (c.batch, c.length), "lm"
     rules = {"topk": [Rule("*", TOPK)], "topk-wide": [Rule("*", TOPK_WIDE)], "int4": [Rule("*", INT4)], "int4-rows": [Rule("*", INT4_ROWS)], "remat-int4": [Rule("*", INT4)],
-             "lean": [Rule("*", None)]}
+             "lean": [Rule("*", None)], "int4-dx8": [Rule("*", INT4)], "int4-dx4": [Rule("*", INT4)]}
     if setting in rules:
-        model = bsr_jax.compress_model(model, rules[setting])
+        model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting))
     context = contextlib.nullcontext()
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]

@@ -44,6 +44,7 @@ from flax import nnx
 from jax import lax
 
 from bsr_jax import barriers, intercept, lean_graph
+from bsr_jax.dx import check_dx
 from bsr_jax import lean as lean_ops
 from bsr_jax import rules as rules_lib
 from bsr_jax import sharding
@@ -184,7 +185,7 @@ def compressing(rules: Sequence[Rule], *, lean: bool = True) -> Iterator[_Shared
         yield shared
 
 
-def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool) -> nn.Module:
+def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, dx: lean_graph.DxRules = None) -> nn.Module:
     base = type(model)
 
     def apply(self, variables, *args, **kwargs):
@@ -194,7 +195,7 @@ def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool) -> 
 
         with compressing(rules, lean=lean):
             # lean: hand-written norms, activations and attention keep less too (bsr_jax.lean_graph).
-            return lean_graph.lean_call(run, variables, *args, **kwargs) if lean else run(variables, *args, **kwargs)
+            return lean_graph.lean_call(run, variables, *args, dx=dx, **kwargs) if lean else run(variables, *args, **kwargs)
 
     def init_with_output(self, rngs, *args, **kwargs):
         # Parameters are created by the original modules (compression only changes gradients); the
@@ -254,7 +255,7 @@ def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx
     return model
 
 
-def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = True) -> Any:
+def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = True, dx: lean_graph.DxRules = None) -> Any:
     """``model`` with block-pruned residuals where ``rules`` say (first match by module path).
 
     Args:
@@ -262,6 +263,11 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = Tru
       rules: ``bsr_jax.Rule(pattern, compression)``s, or one; e.g. ``[Rule("*", Pruning(0.7, block=16))]``;
         at least one (an empty list is a ``ValueError``).
       lean: also make norms, activations and attention keep less (exact; ``bsr_jax.lean``).
+      dx: approximate input gradients, opt-in (linen, with ``lean``): ``"int8"`` or ``"int4"``
+        stores what the backward of every recognised norm, activation and attention reads (their
+        inputs, e.g. GELU's input, q/k/v) in that format (``bsr_jax.dx``), or ``[(pattern,
+        format or None), ...]`` by module path, first match (``[("*attention*", None), ("*",
+        "int8")]``). ``None`` (the default): exact.
 
     Random options (``Pruning(stochastic=True)`` or ``rounding="stochastic"``) draw their keys from
     the ``"pruning"`` rng stream: ``model.apply(variables, x, rngs={"pruning": key})`` (linen only;
@@ -277,8 +283,13 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = Tru
             "rules is empty: compress_model needs at least one bsr_jax.Rule, e.g. "
             "[Rule('*', bsr_jax.presets.recommended(0.5))] (Rule(pattern, None) leaves matching layers dense)"
         )
+    if dx is not None:
+        for fmt in [dx] if isinstance(dx, str) else [f for _, f in dx]:
+            check_dx(fmt)
+        if not lean or not isinstance(model, nn.Module):
+            raise ValueError("dx needs lean=True and a flax.linen model (NNX models: not yet)")
     if isinstance(model, nn.Module):
-        return _linen_compressed(model, rules, lean)
+        return _linen_compressed(model, rules, lean, dx)
     if isinstance(model, nnx.Module):
         return _nnx_compress(model, rules, lean)
     raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")

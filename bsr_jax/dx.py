@@ -24,7 +24,7 @@ Inputs that are not floating point (keys, masks, integer ids) and inputs smaller
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -59,9 +59,11 @@ def decompress(stored: BlockSparse, shape: tuple[int, ...]) -> jax.Array:
     return stored.to_dense().reshape(shape)
 
 
-def stored_compressed(fn: Callable[..., Any], dx: DxFormat | None) -> Callable[..., Any]:
+def stored_compressed(fn: Callable[..., Any], dx: DxFormat | None, only: Sequence[bool] | None = None) -> Callable[..., Any]:
     """``fn`` whose backward pass keeps its floating-point inputs in ``dx`` (module docstring);
-    ``dx=None`` returns ``fn`` itself (exact). ``fn`` takes and returns arrays (pytrees of them)."""
+    ``dx=None`` returns ``fn`` itself (exact). ``fn`` takes and returns arrays (pytrees of them).
+    ``only``, one bool per leaf of the arguments, limits the compression to the leaves marked True
+    (the others are kept as they are)."""
     check_dx(dx)
     if dx is None:
         return fn
@@ -69,7 +71,8 @@ def stored_compressed(fn: Callable[..., Any], dx: DxFormat | None) -> Callable[.
     @functools.wraps(fn)
     def wrapped(*args):
         leaves, treedef = jax.tree.flatten(args)
-        shrink = tuple(_compressible(a) for a in leaves)
+        marked = [True] * len(leaves) if only is None else list(only)
+        shrink = tuple(m and _compressible(a) for a, m in zip(leaves, marked))
         if not any(shrink):
             return jax.checkpoint(fn)(*args)
         return _call(fn, treedef, shrink, dx, *leaves)

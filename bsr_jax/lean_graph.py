@@ -39,7 +39,8 @@ not traced (an op-by-op forward of concrete arrays, which has no backward pass) 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,9 +49,13 @@ from jax._src import core as jax_core
 from jax._src import source_info_util
 from jax._src.ad_checkpoint import name_p
 
+from bsr_jax.dx import stored_compressed
 from bsr_jax.format import RESIDUAL_NAME
 from bsr_jax.lean import LEAN_NAME
 from bsr_jax.report import module_path
+
+# A bsr_jax.dx format for every module, or (pattern, format or None) rules by module path.
+DxRules = str | Sequence[tuple[str, str | None]] | None
 
 # Primitives whose outputs are recomputed rather than kept: elementwise math, comparisons and
 # selects, layout changes, reductions and scans over an axis, gathers (embedding lookups), random
@@ -170,9 +175,30 @@ def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any]) -> Callabl
     return run
 
 
-def evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
+def _backward_reads(fn: Callable[..., Any], args: list[Any]) -> list[bool]:
+    """Which of ``args`` the backward pass of ``fn`` keeps (the residuals of its vjp, traced only)."""
+    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]))(*args)
+    kept = {v for v in closed.jaxpr.outvars if isinstance(v, jax_core.Var)}
+    return [v in kept for v in closed.jaxpr.invars]
+
+
+def _segment_dx(path: str, dx: DxRules) -> str | None:
+    """The ``bsr_jax.dx`` format for the module at ``path``: ``dx`` itself, or its first rule
+    ``(pattern, format)`` whose pattern matches the path."""
+    if dx is None or isinstance(dx, str):
+        return dx
+    return next((fmt for pattern, fmt in dx if fnmatch.fnmatchcase(path, pattern)), None)
+
+
+def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None) -> list[Any]:
     """``jaxpr``'s outputs, each segment (module) evaluated under ``jax.checkpoint(policy=policy)``,
-    with the cheap outputs of its submodules that it reads recomputed inside (``_pulled``)."""
+    with the cheap outputs of its submodules that it reads recomputed inside (``_pulled``).
+
+    With ``dx`` (a ``bsr_jax.dx`` format, or ``(pattern, format or None)`` rules by module path,
+    first match): a segment that keeps nothing of its own (every equation recomputed: a norm, an
+    activation, attention's softmax) keeps the inputs its backward reads in that format instead
+    (``bsr_jax.dx.stored_compressed``): those the step computed, not its arguments (parameters,
+    the model's inputs)."""
     segments, paths = _segments(jaxpr.eqns)
     order = {id(eqn): i for i, eqn in enumerate(jaxpr.eqns)}
     producers = {v: (eqn, i, path) for i, (segment, path) in enumerate(zip(segments, paths)) for eqn in segment for v in eqn.outvars}
@@ -186,11 +212,19 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
         live.update(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var))
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    arguments = set(jaxpr.constvars) | set(jaxpr.invars)
     for segment, run, after in zip(segments, runs, reversed(needed_after)):
         defined = {v for eqn in run for v in eqn.outvars}
         ins = list(dict.fromkeys(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined))
         outs = [v for eqn in segment for v in eqn.outvars if v in after]
-        values = jax.checkpoint(_run_segment(run, ins, outs), policy=policy)(*(env[v] for v in ins))
+        segment_fn = jax.checkpoint(_run_segment(run, ins, outs), policy=policy)
+        values = [env[v] for v in ins]
+        fmt = _segment_dx(paths[segments.index(segment)], dx)
+        if fmt is not None and all(recomputed(eqn) for eqn in run):
+            computed = [v not in arguments for v in ins]
+            read = _backward_reads(segment_fn, values)
+            segment_fn = stored_compressed(segment_fn, fmt, only=[c and r for c, r in zip(computed, read)])
+        values = segment_fn(*values)
         env.update(zip(outs, values))
     return [_read(env, v) for v in jaxpr.outvars]
 
@@ -198,10 +232,11 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
 _COMPUTED = object()  # marks the result leaves the jaxpr computes
 
 
-def lean_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def lean_call(fn: Callable[..., Any], *args: Any, dx: DxRules = None, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, keeping for the backward pass only what each module's computation
-    needs (see the module docstring). Array leaves of the arguments are traced; other leaves
-    (``train=True``, ``mutable=[...]``) and non-array leaves of the result stay Python values."""
+    needs (see the module docstring), in ``dx``'s format where given (``evaluate``). Array leaves of
+    the arguments are traced; other leaves (``train=True``, ``mutable=[...]``) and non-array leaves
+    of the result stay Python values."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
     arrays = [leaf for leaf, a in zip(leaves, is_array) if a]
@@ -217,5 +252,5 @@ def lean_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return [o for o in out_leaves if isinstance(o, jax.Array)]
 
     closed = jax.make_jaxpr(traced)(*arrays)
-    computed = iter(evaluate(closed.jaxpr, closed.consts, arrays))
+    computed = iter(evaluate(closed.jaxpr, closed.consts, arrays, dx))
     return jax.tree.unflatten(result["tree"], [next(computed) if s is _COMPUTED else s for s in result["static"]])

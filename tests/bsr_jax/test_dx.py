@@ -100,3 +100,50 @@ def test_resmlp_with_approximate_dx_keeps_its_forward_and_parameters():
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
     errors = [_relative(g, w) for g, w in zip(flat_got, flat_want) if float(jnp.linalg.norm(w)) > 0]
     assert max(errors) < 0.05 and np.mean(errors) > 0  # approximate, close
+
+
+def _vit_case():
+    from tests import third_party_models as tpm
+
+    c = tpm.Config(layers=2, width=128, mlp=512, heads=4, batch=8, image=32, patch=4, classes=10)
+    model, x = tpm.vit(c), jax.random.normal(jax.random.key(0), (8, 32, 32, 3))
+    return model, x, tpm.jitter(model.init(jax.random.key(1), x))  # the head starts at zero: no gradient
+
+
+def test_compress_model_stores_every_recognised_dx_residual_in_the_format():
+    """vision_transformer's ViT: LayerNorm inputs, q/k/v and the GELU input kept in int8; the
+    forward bit-identical, every gradient close to exact, fewer residual bytes than exact dx."""
+    model, x, params = _vit_case()
+    rules = [bsr_jax.Rule("*", None)]
+    exact = bsr_jax.compress_model(model, rules)
+    approx = bsr_jax.compress_model(model, rules, dx="int8")
+    chex.assert_trees_all_equal(approx.apply(params, x), model.apply(params, x))
+    loss = lambda m: (lambda p: jnp.mean(m.apply(p, x) ** 2))  # noqa: E731
+    want = jax.grad(loss(model))(params)
+    got = jax.grad(loss(approx))(params)
+    # The key bias's exact gradient is zero up to rounding (softmax ignores a shift of every
+    # logit), so its relative error means nothing: leaves below 1e-6 are left out.
+    errors = [_relative(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)) if float(jnp.linalg.norm(w)) > 1e-6]
+    assert 0 < max(errors) < 0.05
+    exact_bytes = bsr_jax.residual_bytes(loss(exact), params).activations
+    # Measured 0.58: the Dense layers' own inputs stay f32 under Rule("*", None).
+    assert bsr_jax.residual_bytes(loss(approx), params).activations < 0.65 * exact_bytes
+
+
+def test_dx_rules_by_module_path_turn_it_off_per_layer():
+    model, x, params = _vit_case()
+    rules = [bsr_jax.Rule("*", None)]
+    loss = lambda m: (lambda p: jnp.mean(m.apply(p, x) ** 2))  # noqa: E731
+    exact = jax.grad(loss(bsr_jax.compress_model(model, rules)))(params)
+    off = jax.grad(loss(bsr_jax.compress_model(model, rules, dx=[("*", None)])))(params)
+    chex.assert_trees_all_equal(off, exact)
+    mlp_only = jax.grad(loss(bsr_jax.compress_model(model, rules, dx=[("*ViTMlpBlock*", "int8")])))(params)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(mlp_only), jax.tree.leaves(exact)))
+
+
+def test_dx_needs_lean_linen_and_a_known_format():
+    model, _, _ = _vit_case()
+    with pytest.raises(ValueError, match="dx needs lean=True"):
+        bsr_jax.compress_model(model, [bsr_jax.Rule("*", None)], lean=False, dx="int8")
+    with pytest.raises(ValueError, match="dx must be None"):
+        bsr_jax.compress_model(model, [bsr_jax.Rule("*", None)], dx=[("*", "fp2")])
