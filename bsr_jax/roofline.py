@@ -180,8 +180,13 @@ def _dims(type_: str) -> tuple[int, ...]:
 
 
 def _attr(attrs: str, key: str) -> str | None:
-    m = re.search(rf"\b{key}=([^\s,]+(?:\{{[^}}]*\}})?)", attrs)
-    return m.group(1) if m else None
+    """The value of ``key=...`` in an instruction's attributes (a ``{...}`` value whole)."""
+    m = re.search(rf"\b{key}=", attrs)
+    if not m:
+        return None
+    if attrs[m.end()] == "{":
+        return attrs[m.end() : _matching(attrs, m.end())]
+    return re.match(r"[^\s,]+", attrs[m.end() :]).group()
 
 
 def _backend_config(attrs: str) -> dict:

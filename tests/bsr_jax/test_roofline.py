@@ -181,3 +181,13 @@ def test_scanned_layers_move_their_slices_not_their_stacks():
     kernels = {k.name: k for k in rl.roofline(IN_PLACE, TOY).kernels}
     assert kernels["f"].bytes == 1000 + 4 + 1000  # the update read, the index, the update written
     assert kernels["ds"].bytes == 1000 + 2 * 4 + 1000  # the slice read, two indices, the slice written
+
+
+def test_tpu_batched_dots_written_as_dilated_convolutions_count_xlas_flops():
+    """XLA:TPU writes attention's batched einsum as a convolution whose lhs is dilated as wide as
+    its window: one tap of each window reads data. The roofline's count equals XLA's own."""
+    p, v = jax.ShapeDtypeStruct((4, 2, 40, 40), jnp.float32), jax.ShapeDtypeStruct((4, 40, 2, 16), jnp.float32)
+    step = compiled_memory(lambda p, v: jnp.einsum("bhqk,bkhd->bqhd", p, v), p, v, target="tpu-v5p")
+    compiled = bsr_jax.compiled.compile_for(lambda p, v: jnp.einsum("bhqk,bkhd->bqhd", p, v), p, v, target="tpu-v5p")
+    assert "lhs_dilate" in compiled.as_text()
+    assert rl.roofline(compiled.as_text(), "tpu-v5p").flops == step.flops == 2 * 4 * 2 * 40 * 40 * 16
