@@ -11,7 +11,7 @@ from bsr_jax.lean import lean_neighbours
 from bsr_jax.linear import bsr_linear
 from bsr_jax.pooling import Pooling
 # Submodules the README uses as attributes (bsr_jax.schedules.layer_sparsity, ...); each costs ~1 ms.
-from bsr_jax import dx, presets, quantize, roofline, schedules, sensitivity, sharding
+from bsr_jax import dx, losses, presets, quantize, roofline, schedules, sensitivity, sharding
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
 from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.compiled import CompiledStep, compiled_memory
@@ -22,6 +22,7 @@ __all__ = [
     "Conv",
     "Pooling",
     "dx",
+    "losses",
     "presets",
     "roofline",
     "quantize",
