@@ -209,17 +209,19 @@ def plane_table(rows: list[dict]) -> str:
     """Peak and modelled time as ratios to dense, both targets side by side, one line per model and
     setting; on TPU the roofline's own ratio and its agreement with XLA's model (roofline seconds /
     XLA:TPU's seconds) beside."""
-    by = {(r["model"], r["target"], r["setting"]): r for r in rows if r.get("roofline_seconds")}
+    by = {(r["model"], r["target"], r["setting"]): r for r in rows if r.get("modelled_seconds") or r.get("roofline_seconds")}
     ratio = lambda r, d, key: f"{r[key] / d[key]:.2f}" if r and d and r.get(key) and d.get(key) else "-"  # noqa: E731
     lines = ["| model | setting | H100 peak | H100 time | TPU v5p peak | TPU v5p time | TPU roofline time | roofline / XLA:TPU |",
              "|---|---|---|---|---|---|---|---|"]
-    for model, setting in dict.fromkeys((m, s) for m, _, s in by):
+    order = lambda ms: (list(MODELS).index(ms[0]), SETTINGS.index(ms[1]))  # noqa: E731
+    for model, setting in sorted(dict.fromkeys((m, s) for m, _, s in by), key=order):
         cells = []
         for target in DEVICELESS_TARGETS:
             r, d = by.get((model, target, setting)), by.get((model, target, "dense"))
             cells += [ratio(r, d, "peak_mib"), ratio(r, d, "modelled_seconds")]
         r, d = by.get((model, "tpu-v5p", setting)), by.get((model, "tpu-v5p", "dense"))
-        agreement = f"{r['roofline_seconds'] / r['modelled_seconds']:.2f}" if r and r.get("modelled_seconds") else "-"
+        known = r and r.get("modelled_seconds") and r.get("roofline_seconds")
+        agreement = f"{r['roofline_seconds'] / r['modelled_seconds']:.2f}" if known else "-"
         cells += [ratio(r, d, "roofline_seconds"), agreement]
         lines.append(f"| {model} | {setting} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
