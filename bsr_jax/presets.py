@@ -19,9 +19,13 @@ settings whose compiled training step needs at most ``budget`` of the dense step
   -m benchmarks.pareto runs/long docs/results``; a test keeps the two equal). Dense's own two seeds
   end 1.8 points apart, so only same-seed gaps of a few tenths resolve anything.
 
-Step time is not a criterion (docs/RESULTS.md section 4.2: on CPU the int4 gradient step takes
-0.78-0.84x of dense's for the tiny ResMLP and 0.88-0.90x for ResMLP-S12; XLA:TPU models it at
-several times dense's).
+Step time is not a criterion, and it is not free: the modelled time of the same ResMLP-S12 step
+(``CompiledStep.modelled_seconds``, docs/RESULTS.md section 10.1) is 1.45x dense's on H100 and
+3.58x on TPU v5p for all-int4, 1.43x / 3.36x for all-int8 and 7.23x on H100 for the stochastic
+top-k setting, while ``nn.remat`` per block needs 0.25x / 0.30x of dense's peak at 1.25x / 0.87x
+its time: where remat's recomputation is affordable it is the better choice. On CPU the int4
+gradient step takes 0.78-0.84x of dense's for the tiny ResMLP and 0.88-0.90x for ResMLP-S12
+(section 4.2).
 """
 
 from __future__ import annotations
