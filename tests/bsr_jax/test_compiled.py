@@ -3,7 +3,9 @@
 Compiled ratios are deterministic (same jax, same compiler), so they are asserted; the bounds sit
 above the figures measured on the tiny ResMLP at CIFAR shapes (B=128) with the headroom stated."""
 
+import gc
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +118,16 @@ def test_bad_targets_are_named():
         bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), target="a100")
     with pytest.raises(ValueError, match=r"devices must be in \[1, 8\]"):
         bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), target="h100", devices=9)
+    with pytest.raises(ValueError, match=r"devices must be an int >= 1, got 0"):
+        bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), devices=0)  # the host too
+
+
+def test_a_breakdown_leaves_no_file_open():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), target="h100", breakdown=True)
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 def test_host_target_reads_this_backend():
