@@ -192,9 +192,12 @@ def test_a_signal_while_the_data_is_read_stops_with_one_line(signum, cifar_image
             time.sleep(0.05)
     try:
         process.send_signal(signum)
-        stdout, stderr = process.communicate(timeout=60)
+        # The FIFO may be read by a decoding thread the stopping main thread waits for: end its read
+        # (EOF) once the signal has had time to land, as a real file's read would end by itself.
+        time.sleep(3)
     finally:
         os.close(writer)
+    stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signum and "Traceback" not in stderr, stderr
     assert ours(stderr) == [f"train.cifar: stopped by {signal.Signals(signum).name}; no checkpoint to resume from: run it again"]
     assert stdout == "" and not (tmp_path / "run").exists()
