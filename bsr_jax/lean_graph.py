@@ -23,7 +23,10 @@ recognising any name:
    its children's BatchNorm outputs and applying ReLU) recomputes that output inside its
    checkpoint from what the submodule keeps anyway, rather than keeping it as a checkpoint input:
    each checkpoint keeps its inputs, and XLA, which recomputes such outputs in a dense step, cannot
-   look across a checkpoint's boundary.
+   look across a checkpoint's boundary;
+5. a ``scan`` (layers stacked with ``nn.scan``) is bound again with its body evaluated the same
+   way, segment by segment (``_lean_scan``), so each layer keeps what it keeps in a Python loop of
+   layers; other control flow (``while``, ``cond``) runs as traced, inside its segment.
 
 So each module keeps only what its exact backward needs from its inputs and its linear layers'
 outputs: a hand-written RMSNorm its input; ``silu(gate) * up`` the gate and up projections; einsum
@@ -160,15 +163,58 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if isinstance(v, jax_core.Literal) else env[v]
 
 
-def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any]) -> Callable[..., list[Any]]:
+def _lean_scan(eqn: Any, values: list[Any], dx: DxRules, computed: list[bool]) -> list[Any]:
+    """``eqn``, a ``scan``, with its body evaluated by ``evaluate`` (each of the body's segments
+    under its own ``jax.checkpoint``), otherwise as bound.
+
+    Layers stacked with ``nn.scan`` are one ``scan`` equation whose body is one layer. Bound as
+    traced, the only checkpoint is the segment's around the whole ``scan``, and its backward
+    recomputes what the policy does not save for all iterations at once, stacked, before the
+    backward ``scan`` reads it: ``(layers, B, heads, T, T)`` of attention probabilities (gpt2-small
+    with int4 residuals kept 0.96 of dense's compiled peak on H100 this way, 0.41 with a loop of
+    layers). With a checkpoint per segment inside the body, each iteration's backward recomputes
+    its own layer's values, and each module keeps what it keeps in a loop of layers, stacked.
+
+    The ``scan``'s operands are its body's inputs in order: ``num_consts`` loop invariants,
+    ``num_carry`` carries, then the scanned slices; its outputs the carries, then the stacked
+    per-iteration outputs. ``jax.lax.scan`` traces the body anew (its consts become the new
+    ``scan``'s loop invariants) and checks that carries keep their types. ``computed``: which
+    operands the step computed (``evaluate``'s ``dx`` stores only those); carries count as
+    computed, since every iteration after the first reads the previous one's output."""
+    params = eqn.params
+    body, num_consts, num_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+    consts, init, xs = values[:num_consts], values[num_consts : num_consts + num_carry], values[num_consts + num_carry :]
+
+    body_computed = [*computed[:num_consts], *[True] * num_carry, *computed[num_consts + num_carry :]]
+
+    def step(carry, x):
+        out = evaluate(body.jaxpr, body.consts, [*consts, *carry, *x], dx, body_computed)
+        return out[:num_carry], out[num_carry:]
+
+    carry, ys = jax.lax.scan(step, list(init), list(xs), length=params["length"], reverse=params["reverse"],
+                             unroll=params["unroll"], _split_transpose=params.get("_split_transpose", False))  # fmt: skip
+    return [*carry, *ys]
+
+
+def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], dx: DxRules = None,
+                 arguments: frozenset[Any] = frozenset()) -> Callable[..., list[Any]]:  # fmt: skip
+    """The segment's equations as a function of ``ins`` returning ``outs``; a ``scan`` among them
+    evaluates its body as ``evaluate`` does (``_lean_scan``; ``arguments``: the variables that are
+    the step's arguments, not computed)."""
+
     def run(*values):
         env = dict(zip(ins, values))
         for eqn in segment:
             # As jax.core.eval_jaxpr: the equation keeps its name stack, so module paths (rules,
             # residual_report) stay what they were when traced.
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            invals = [_read(env, v) for v in eqn.invars]
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-                out = eqn.primitive.bind(*(_read(env, v) for v in eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+                if eqn.primitive is jax.lax.scan_p:
+                    computed = [isinstance(v, jax_core.Var) and v not in arguments for v in eqn.invars]
+                    out = _lean_scan(eqn, invals, dx, computed)
+                else:
+                    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
         return [env[v] for v in outs]
 
@@ -190,7 +236,7 @@ def _segment_dx(path: str, dx: DxRules) -> str | None:
     return next((fmt for pattern, fmt in dx if fnmatch.fnmatchcase(path, pattern)), None)
 
 
-def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None) -> list[Any]:
+def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None, computed: Sequence[bool] | None = None) -> list[Any]:
     """``jaxpr``'s outputs, each segment (module) evaluated under ``jax.checkpoint(policy=policy)``,
     with the cheap outputs of its submodules that it reads recomputed inside (``_pulled``).
 
@@ -198,7 +244,8 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None)
     first match): a segment that keeps nothing of its own (every equation recomputed: a norm, an
     activation, attention's softmax) keeps the inputs its backward reads in that format instead
     (``bsr_jax.dx.stored_compressed``): those the step computed, not its arguments (parameters,
-    the model's inputs)."""
+    the model's inputs). ``computed``: which of ``args`` the step computed (a ``scan`` body's
+    carries; by default none: ``args`` are the step's arguments)."""
     segments, paths = _segments(jaxpr.eqns)
     order = {id(eqn): i for i, eqn in enumerate(jaxpr.eqns)}
     producers = {v: (eqn, i, path) for i, (segment, path) in enumerate(zip(segments, paths)) for eqn in segment for v in eqn.outvars}
@@ -212,12 +259,13 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None)
         live.update(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var))
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    arguments = set(jaxpr.constvars) | set(jaxpr.invars)
+    computed = computed or [False] * len(args)
+    arguments = frozenset(jaxpr.constvars) | {v for v, c in zip(jaxpr.invars, computed) if not c}
     for segment, run, after in zip(segments, runs, reversed(needed_after)):
         defined = {v for eqn in run for v in eqn.outvars}
         ins = list(dict.fromkeys(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined))
         outs = [v for eqn in segment for v in eqn.outvars if v in after]
-        segment_fn = jax.checkpoint(_run_segment(run, ins, outs), policy=policy)
+        segment_fn = jax.checkpoint(_run_segment(run, ins, outs, dx, arguments), policy=policy)
         values = [env[v] for v in ins]
         fmt = _segment_dx(paths[segments.index(segment)], dx)
         if fmt is not None and all(recomputed(eqn) for eqn in run):

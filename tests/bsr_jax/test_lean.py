@@ -14,6 +14,7 @@ from flax import nnx
 
 import bsr_jax
 from bsr_jax.lean import lean_neighbours
+from bsr_jax.lean_graph import lean_call
 
 TOL = dict(atol=1e-6, rtol=1e-5)  # float reassociation only (recomputed stats, f32)
 
@@ -289,3 +290,26 @@ def test_attention_that_sows_its_weights_runs_unchanged():
         lean, lean_state = attention.apply(params, x, sow_weights=True, mutable=["intermediates"])
     assert jnp.array_equal(lean, plain)
     chex.assert_trees_all_equal(lean_state, plain_state)
+
+
+def test_lean_call_evaluates_a_scans_body_segment_by_segment():
+    """bsr_jax.lean_graph binds a ``scan`` again with each of its body's segments under a
+    checkpoint (layers stacked with nn.scan keep what a loop of layers keeps): loop invariants
+    closed over, an integer carry beside a float one, ``reverse``; the value's bits and the
+    gradients of plain autodiff."""
+    w, xs, c = normal((8, 8)), normal((5, 4, 8), seed=1), jnp.float32(0.3)
+
+    def fn(w, xs, c):
+        def body(carry, x):
+            h, n = carry
+            h = jnp.tanh(h @ w + x) * jnp.exp(-c)
+            return (h, n + 1), jax.nn.softmax(h)
+
+        (h, n), ys = jax.lax.scan(body, (jnp.zeros((4, 8)), jnp.int32(0)), xs, reverse=True)
+        return jnp.sum(h) + jnp.sum(ys * jnp.arange(5.0)[:, None, None]) + n
+
+    lean = lambda *a: lean_call(fn, *a)
+    assert jax.jit(lean)(w, xs, c) == jax.jit(fn)(w, xs, c)
+    chex.assert_trees_all_close(jax.grad(lean, (0, 1, 2))(w, xs, c), jax.grad(fn, (0, 1, 2))(w, xs, c), **TOL)
+    scans = [e for e in jax.make_jaxpr(lean)(w, xs, c).eqns[0].params["jaxpr"].eqns if e.primitive.name == "scan"]
+    assert scans and all(e.primitive.name in ("remat2", "checkpoint") for e in scans[0].params["jaxpr"].eqns)  # the name by JAX version
