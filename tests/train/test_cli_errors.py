@@ -3,6 +3,7 @@ line gives the cause and names the flag (or file) and the value to change; no tr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -192,9 +193,13 @@ def test_a_signal_while_the_data_is_read_stops_with_one_line(signum, cifar_image
             time.sleep(0.05)
     try:
         process.send_signal(signum)
-        # The FIFO may be read by a decoding thread the stopping main thread waits for: end its read
-        # (EOF) once the signal has had time to land, as a real file's read would end by itself.
-        time.sleep(3)
+        # The FIFO may be read by a decoding thread that the main thread waits for, and the signal
+        # may land in that thread: then the main thread sees it only once that read ends. End it
+        # as a real file's read would end, with a whole image, after the signal was sent.
+        time.sleep(1)
+        image = next(p for p in sorted((folder / "cifar10" / "train" / "class9").glob("*.png")) if p != fifo)
+        with contextlib.suppress(BrokenPipeError):  # usually the reader has stopped already
+            os.write(writer, image.read_bytes())
     finally:
         os.close(writer)
     stdout, stderr = process.communicate(timeout=60)
