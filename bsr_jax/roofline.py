@@ -190,13 +190,10 @@ def _attr(attrs: str, key: str) -> str | None:
 
 
 def _backend_config(attrs: str) -> dict:
-    i = attrs.find("backend_config={")
-    if i < 0:
-        return {}
-    start = i + len("backend_config=")
+    value = _attr(attrs, "backend_config")
     try:
-        return json.loads(attrs[start : _matching(attrs, start)])
-    except (ValueError, json.JSONDecodeError):
+        return json.loads(value) if value and value.startswith("{") else {}
+    except ValueError:  # not JSON (some targets print a proto text)
         return {}
 
 
@@ -269,8 +266,9 @@ class _Model:
             values, dense = (_dims(shapes[o]) for o in instr.operands[2:4])
             f = float(pallas_kernels.KERNEL_FLOPS[kernel.group(1)](values, dense))
             return f, f / self.hw.default_flops
-        declared = config.get("cost_estimate", {}).get("flops") if isinstance(config.get("cost_estimate"), dict) else None
-        f = float(declared or 0.0)
+        # Other custom calls (Mosaic kernels on TPU carry their pl.CostEstimate to XLA): as declared.
+        estimate = config.get("cost_estimate")
+        f = float(estimate.get("flops", 0.0)) if isinstance(estimate, dict) else 0.0
         return f, f / self.hw.default_flops
 
     def io_bytes(self, instr: _Instr, shapes: dict[str, str]) -> float:
