@@ -46,8 +46,12 @@ def check_dx(dx: str | None) -> None:
         raise ValueError(f"dx must be None (exact) or one of {DX_FORMATS}, got {dx!r}")
 
 
+def _floating(a: Any) -> bool:
+    return isinstance(a, jax.Array | jax.core.Tracer) and jnp.issubdtype(a.dtype, jnp.floating)
+
+
 def _compressible(a: Any) -> bool:
-    return isinstance(a, jax.Array | jax.core.Tracer) and jnp.issubdtype(a.dtype, jnp.floating) and a.ndim >= 1 and a.size >= MIN_COMPRESSED
+    return _floating(a) and a.ndim >= 1 and a.size >= MIN_COMPRESSED
 
 
 def compress(a: jax.Array, dx: DxFormat) -> BlockSparse:
@@ -59,11 +63,14 @@ def decompress(stored: BlockSparse, shape: tuple[int, ...]) -> jax.Array:
     return stored.to_dense().reshape(shape)
 
 
-def stored_compressed(fn: Callable[..., Any], dx: DxFormat | None, only: Sequence[bool] | None = None) -> Callable[..., Any]:
+def stored_compressed(
+    fn: Callable[..., Any], dx: DxFormat | None, only: Sequence[bool] | None = None, unread: Sequence[bool] | None = None
+) -> Callable[..., Any]:
     """``fn`` whose backward pass keeps its floating-point inputs in ``dx`` (module docstring);
     ``dx=None`` returns ``fn`` itself (exact). ``fn`` takes and returns arrays (pytrees of them).
     ``only``, one bool per leaf of the arguments, limits the compression to the leaves marked True
-    (the others are kept as they are)."""
+    (the others are kept as they are); ``unread`` marks leaves ``fn``'s backward does not read
+    (it is linear in them): those are not kept at all, zeros stand in for them."""
     check_dx(dx)
     if dx is None:
         return fn
@@ -72,31 +79,35 @@ def stored_compressed(fn: Callable[..., Any], dx: DxFormat | None, only: Sequenc
     def wrapped(*args):
         leaves, treedef = jax.tree.flatten(args)
         marked = [True] * len(leaves) if only is None else list(only)
-        shrink = tuple(m and _compressible(a) for a, m in zip(leaves, marked))
-        if not any(shrink):
+        dropped = [False] * len(leaves) if unread is None else list(unread)
+        how = tuple(_DROP if d and _floating(a) else _SHRINK if m and _compressible(a) else _KEEP for a, m, d in zip(leaves, marked, dropped))
+        if _SHRINK not in how:
             return jax.checkpoint(fn)(*args)
-        return _call(fn, treedef, shrink, dx, *leaves)
+        return _call(fn, treedef, how, dx, tuple((a.shape, a.dtype) for a in leaves), *leaves)
 
     return wrapped
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _call(fn, treedef, shrink, dx, *leaves):
+_KEEP, _SHRINK, _DROP = "keep", "shrink", "drop"  # what the backward pass keeps of each input
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _call(fn, treedef, how, dx, avals, *leaves):
     return fn(*jax.tree.unflatten(treedef, leaves))
 
 
-def _fwd(fn, treedef, shrink, dx, *leaves):
+def _fwd(fn, treedef, how, dx, avals, *leaves):
     out = fn(*jax.tree.unflatten(treedef, leaves))
-    kept = tuple(compress(a, dx) if s else a for a, s in zip(leaves, shrink))
+    kept = tuple(compress(a, dx) if h == _SHRINK else a for a, h in zip(leaves, how) if h != _DROP)
     # Without the ties XLA fuses compress -> decompress into the backward and keeps the input.
-    out, stored = barriers.materialize(out, kept)
-    return out, (stored, tuple(a.shape for a in leaves))
+    return barriers.materialize(out, kept)
 
 
-def _bwd(fn, treedef, shrink, dx, residual, g):
-    stored, shapes = residual
+def _bwd(fn, treedef, how, dx, avals, stored, g):
     kept, g = barriers.when_needed(stored, g)
-    leaves = [decompress(a, shape) if s else a for a, s, shape in zip(kept, shrink, shapes)]
+    kept = iter(kept)
+    leaves = [jnp.zeros(shape, dtype) if h == _DROP else decompress(next(kept), shape) if h == _SHRINK else next(kept)
+              for h, (shape, dtype) in zip(how, avals)]  # fmt: skip
     _, vjp = jax.vjp(lambda *ls: fn(*jax.tree.unflatten(treedef, ls)), *leaves)
     return tuple(vjp(g))
 

@@ -271,7 +271,7 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None,
         if fmt is not None and all(recomputed(eqn) for eqn in run):
             computed = [v not in arguments for v in ins]
             read = _backward_reads(segment_fn, values)
-            segment_fn = stored_compressed(segment_fn, fmt, only=[c and r for c, r in zip(computed, read)])
+            segment_fn = stored_compressed(segment_fn, fmt, only=[c and r for c, r in zip(computed, read)], unread=[not r for r in read])
         values = segment_fn(*values)
         env.update(zip(outs, values))
     return [_read(env, v) for v in jaxpr.outvars]

@@ -147,3 +147,17 @@ def test_dx_needs_lean_linen_and_a_known_format():
         bsr_jax.compress_model(model, [bsr_jax.Rule("*", None)], lean=False, dx="int8")
     with pytest.raises(ValueError, match="dx must be None"):
         bsr_jax.compress_model(model, [bsr_jax.Rule("*", None)], dx=[("*", "fp2")])
+
+
+def test_inputs_the_backward_does_not_read_are_not_kept():
+    """``gelu(x) + y``: the backward reads x (kept in int8), not y (linear): one array of their size
+    among the residuals, x's int8 codes, and y's gradient exact."""
+    x, w = _inputs()
+    f = dx_lib.stored_compressed(lambda x, y: _gelu(x) + y, "int8", unread=[False, True])
+    loss = lambda x, y: jnp.sum(f(x, y))  # noqa: E731
+    _, vjp = jax.vjp(loss, x, w)
+    (codes,) = [r for r in jax.tree.leaves(vjp) if getattr(r, "size", 0) == x.size]
+    assert codes.dtype == jnp.int8
+    gx, gy = jax.grad(loss, argnums=(0, 1))(x, w)
+    chex.assert_trees_all_equal(gy, jnp.ones_like(w))
+    assert _relative(gx, jax.grad(lambda x: jnp.sum(_gelu(x)))(x)) < 0.02
