@@ -22,7 +22,8 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
     processes = parse_processes(prog, argv)
     # Ctrl-C before the run's own handlers (train.stopping) are installed, or after: while JAX
     # starts or the data is read and decoded. SIGTERM the same way, rather than dying silently.
-    previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
+    _received.clear()
     try:
         return _run(prog, config, workdir, overrides, processes)
     except run_dir.DamagedRecords as error:
@@ -36,7 +37,8 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
         print(f"{prog}: stopped by {signal.Signals(signum).name}; {after}", file=sys.stderr)
         return 128 + signum
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run(prog: str, config, workdir: str, overrides: list[str], processes) -> int:
@@ -57,13 +59,21 @@ def _run(prog: str, config, workdir: str, overrides: list[str], processes) -> in
     try:
         result = train_and_evaluate(config, workdir)
     except (DataError, UsageError) as error:
+        if _received:  # the signal's exception was swallowed (raised inside a gc callback): it stops the run
+            raise _Interrupted(_received[0]) from None
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
 
 
+# Signals received outside the training loop. Python runs a signal's handler wherever the main
+# thread is, also inside a callback (jax's gc callback) that swallows what it raises: the record
+# lets the run stop at its next error or exit instead of carrying on as if nothing arrived.
+_received: list[int] = []
+
+
 class _Interrupted(BaseException):
-    """SIGTERM outside the training loop, raised as Ctrl-C raises KeyboardInterrupt."""
+    """SIGINT or SIGTERM outside the training loop (raised as Ctrl-C raises KeyboardInterrupt)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -71,4 +81,5 @@ class _Interrupted(BaseException):
 
 
 def _raise_interrupted(signum, frame):
+    _received.append(signum)
     raise _Interrupted(signum)
