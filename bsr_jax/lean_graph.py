@@ -261,17 +261,17 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None,
     env.update(zip(jaxpr.invars, args))
     computed = computed or [False] * len(args)
     arguments = frozenset(jaxpr.constvars) | {v for v, c in zip(jaxpr.invars, computed) if not c}
-    for segment, run, after in zip(segments, runs, reversed(needed_after)):
+    for segment, path, run, after in zip(segments, paths, runs, reversed(needed_after)):
         defined = {v for eqn in run for v in eqn.outvars}
         ins = list(dict.fromkeys(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined))
         outs = [v for eqn in segment for v in eqn.outvars if v in after]
         segment_fn = jax.checkpoint(_run_segment(run, ins, outs, dx, arguments), policy=policy)
         values = [env[v] for v in ins]
-        fmt = _segment_dx(paths[segments.index(segment)], dx)
+        fmt = _segment_dx(path, dx)
         if fmt is not None and all(recomputed(eqn) for eqn in run):
-            computed = [v not in arguments for v in ins]
+            produced = [v not in arguments for v in ins]
             read = _backward_reads(segment_fn, values)
-            segment_fn = stored_compressed(segment_fn, fmt, only=[c and r for c, r in zip(computed, read)], unread=[not r for r in read])
+            segment_fn = stored_compressed(segment_fn, fmt, only=[p and r for p, r in zip(produced, read)], unread=[not r for r in read])
         values = segment_fn(*values)
         env.update(zip(outs, values))
     return [_read(env, v) for v in jaxpr.outvars]
