@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from train import run_dir
 from train.config import InvalidSetting, UsageError, _HelpFormatter, _layer_rule, _Parser  # noqa: F401  (UsageError: re-exported)
-from train.options import BACKENDS, CRITERIA, DTYPES, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES, STORAGE_DTYPES
+from train.options import BACKENDS, CRITERIA, DTYPES, DX_FORMATS, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES, STORAGE_DTYPES
 
 # train.lm_model.PRESETS' and train.lm_data.TOKENIZERS' names, repeated to stay JAX-free (a test keeps them equal).
 LM_MODELS = ("cpu", "gpt2-small", "1b")
@@ -58,6 +58,9 @@ class LMConfig:
     lean: bool = True
     sparsity_warmup_steps: int = 0
     layer_sparsity: tuple[tuple[str, float], ...] = ()
+    # Approximate input gradients (bsr_jax.dx): what norms, SwiGLU and attention keep for their
+    # backward (their inputs, q/k/v) stored in this format; None: exact.
+    dx: Literal["int8", "int4"] | None = None
     # Optimisation.
     lr: float = 3e-3
     min_lr: float = 3e-5
@@ -103,6 +106,10 @@ class LMConfig:
                 "off with --tie or --loss-chunk (the head is then the embedding, or a product inside the chunked loss)",
             ),
             "sparsity_warmup_steps": (self.sparsity_warmup_steps >= 0, ">= 0"),
+            "dx": (
+                self.dx is None or (self.dx in DX_FORMATS and self.lean),
+                f"None or one of {DX_FORMATS}, with --lean (compress_model's lean pass stores what it keeps)",
+            ),
             "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
             "lr": (self.lr > 0, "> 0"),
             "min_lr": (self.min_lr >= 0, ">= 0"),
@@ -126,7 +133,7 @@ class LMConfig:
     @property
     def compressed(self) -> bool:
         """Whether any layer keeps a compressed residual (else the plain model runs)."""
-        return self.sparsity > 0 or self.storage_dtype is not None or bool(self.layer_sparsity)
+        return self.sparsity > 0 or self.storage_dtype is not None or bool(self.layer_sparsity) or self.dx is not None
 
     @property
     def stop_step(self) -> int:
@@ -184,6 +191,8 @@ HELP = {
     "sparsity_warmup_steps": "ramp every layer's sparsity from 0 to its target over this many steps, in 4 stairs",
     "layer_sparsity": "PATTERN=VALUE, repeatable: layers whose module path matches PATTERN (fnmatch, e.g. "
     "'layer_*/mlp/down' or, with --scan, 'layers/mlp/*') use sparsity VALUE; first match wins",
+    "dx": f"approximate input gradients: store what the backward of every norm, SwiGLU and attention reads (their inputs, "
+    f"q/k/v) in one of {', '.join(DX_FORMATS)} (per-row scales every 128 values; bsr_jax.dx); default exact",
     "lr": "peak learning rate (AdamW, b2 0.95)",
     "min_lr": "final learning rate of the cosine decay",
     "weight_decay": "AdamW weight decay, on kernels and embeddings (not on norm scales)",
@@ -203,7 +212,7 @@ HELP = {
 }
 
 _CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "dtype": DTYPES, "criterion": CRITERIA, "selection": SELECTIONS,
-            "backend": BACKENDS, "storage_dtype": STORAGE_DTYPES, "rounding": ROUNDINGS}  # fmt: skip
+            "backend": BACKENDS, "storage_dtype": STORAGE_DTYPES, "rounding": ROUNDINGS, "dx": DX_FORMATS}  # fmt: skip
 _NOT_GIVEN = object()
 
 

@@ -68,12 +68,13 @@ def compression_rules(config: LMConfig, level: float = 1.0) -> list[bsr_jax.Rule
 
 def create_model(config: LMConfig, shape: LMShape, level: float = 1.0, compressed: bool = True):
     """``LM`` of ``shape``, through ``bsr_jax.compress_model`` when the config compresses anything
-    (and ``compressed``): forward bit-identical, weight gradients from compressed residuals."""
+    (and ``compressed``): forward bit-identical, weight gradients from compressed residuals, and
+    with ``dx`` input gradients from what norms, SwiGLU and attention keep in that format."""
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
     model = LM(shape, tie=config.tie, scan=config.scan, remat=config.remat, dtype=dtype)
     if not (compressed and config.compressed):
         return model
-    return bsr_jax.compress_model(model, compression_rules(config, level), lean=config.lean)
+    return bsr_jax.compress_model(model, compression_rules(config, level), lean=config.lean, dx=config.dx)
 
 
 def decay_mask(params: Any) -> Any:

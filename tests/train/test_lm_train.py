@@ -160,3 +160,28 @@ def test_cli_on_4_devices_trains_what_one_device_trains(cache):
     for kind, key in (("train", "loss"), ("eval", "val_loss")):
         four, one = ([r[key] for r in kinds(cache / w, kind)] for w in ("four", "one"))
         np.testing.assert_allclose(four, one, rtol=2e-5)
+
+
+def test_dx_flag_trains_with_approximate_input_gradients(cache, monkeypatch):
+    """``--dx int8`` reaches ``bsr_jax.compress_model(..., dx="int8")``, is recorded in config.json, and
+    a couple of steps train to a finite loss."""
+    import bsr_jax
+    from train import lm_loop
+
+    seen, compress_model = [], bsr_jax.compress_model
+
+    def spy(model, rules, **kwargs):
+        seen.append(kwargs.get("dx"))
+        return compress_model(model, rules, **kwargs)
+
+    monkeypatch.setattr(lm_loop.bsr_jax, "compress_model", spy)
+    workdir = cache / "dx"
+    flags = ["--data-dir", CORPUS, "--val-fraction", "0.2", "--tokenizer", "bytes", "--dim", "64", "--depth", "1", "--heads", "2",
+             "--seq-len", "16", "--batch-size", "8", "--steps", "2", "--eval-windows", "8", "--storage-dtype", "int4", "--dx", "int8"]  # fmt: skip
+    assert lm.main([*flags, "--workdir", str(workdir)]) == 0
+    assert seen and set(seen) == {"int8"}
+    assert json.load(open(workdir / "config.json"))["config"]["dx"] == "int8"
+    assert all(np.isfinite(r["loss"]) for r in kinds(workdir, "train")) and np.isfinite(kinds(workdir, "eval")[-1]["val_loss"])
+    memory = kinds(workdir, "memory")[0]
+    assert memory["residual_activation_mib"] < memory["dense_residual_activation_mib"]
+
