@@ -185,3 +185,24 @@ def test_dx_flag_trains_with_approximate_input_gradients(cache, monkeypatch):
     memory = kinds(workdir, "memory")[0]
     assert memory["residual_activation_mib"] < memory["dense_residual_activation_mib"]
 
+
+def test_a_signal_swallowed_before_the_loop_still_stops_the_run(cache, capsys, monkeypatch):
+    """A SIGINT whose exception jax's gc callback swallowed (its handler only recorded it) stops the
+    run at the next error, 128 + SIGINT, instead of that error's exit 2 (train.cli's fix, 9f28bec)."""
+    import signal
+
+    from train import cli, lm_loop
+
+    def swallowed_then_fails(config, workdir):
+        try:
+            signal.raise_signal(signal.SIGINT)  # goes through train.lm's handler: recorded, then raised
+        except BaseException:
+            pass  # what the gc callback does with it
+        raise lm_loop.UsageError("a later error")
+
+    monkeypatch.setattr(lm_loop, "train_and_evaluate", swallowed_then_fails)
+    before = signal.getsignal(signal.SIGINT)
+    assert lm.main(["--workdir", str(cache / "run")]) == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert err.startswith("train.lm: stopped by SIGINT before the first step") and err.count("\n") == 1, err
+    assert signal.getsignal(signal.SIGINT) is before and cli._received == [signal.SIGINT]  # handler restored
