@@ -1,0 +1,184 @@
+"""Compiled peak and modelled time of ``train.lm``'s training step for the ``gpt2-small`` and ``1b``
+presets on H100 and TPU v5p, compiled deviceless (issue 34's compiled table).
+
+Each row is one preset, target and setting: ``train.lm``'s own model, loss (``train.lm_loop.loss_function``:
+with ``--loss-chunk`` the chunked head + cross-entropy) and optimizer (AdamW with clipping and
+the warmup-cosine schedule, ``create_optimizer``), the whole step (loss, grad, update; params and
+optimizer state donated) compiled by XLA for ``target`` on this machine with
+``bsr_jax.compiled_memory(..., breakdown=True)``: its peak, modelled step time (the roofline on
+H100, XLA:TPU's own model on TPU), FLOPs, the ten largest buffers live at the peak and whether a
+logits-sized one is among them. Rows are written to the JSON as they finish; rows already there
+are skipped, so an interrupted run resumes.
+
+    python -m benchmarks.lm_compiled --targets h100              # seconds to a minute per row
+    nice -n 10 python -m benchmarks.lm_compiled --targets tpu-v5p # minutes per row; one process (libtpu)
+    python -m benchmarks.lm_compiled --table-only
+
+Shapes: bf16 compute, f32 parameters and optimizer state, T=2048 (``--seq-len``), vocabulary
+32768 (the presets'); B=8 windows for both presets (gpt2-small's documented batch,
+docs/RESULTS.md section 11; the 1b preset documents none, the same B=8 is used: 16384 tokens
+per step). Layers as a Python loop (the trainer's default).
+
+Settings: ``dense``; ``int8`` / ``int4`` (every linear layer's weight-gradient residual in int8 /
+int4 16 x 16 blocks at sparsity 0; int4 is the recommended setting); ``topk`` (s0.7 / 16);
+``int4-dx8`` (int4 with ``--dx int8``); ``remat`` (``--remat``: ``nn.remat`` per layer, nothing
+saved inside); ``remat-dots`` (``nn.remat`` per layer with
+``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``). A ``+chunk`` suffix adds
+``--loss-chunk 1024``. The head stays dense unless chunked (the trainer's rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import bsr_jax  # noqa: E402
+from bsr_jax.compiled import DEVICELESS_TARGETS  # noqa: E402
+from benchmarks.run_info import footer, run_metadata  # noqa: E402
+from train import lm_model  # noqa: E402
+from train.lm_config import LMConfig  # noqa: E402
+from train.lm_loop import create_model, create_optimizer, learning_rate_schedule, loss_function, model_shape  # noqa: E402
+
+MIB = 2**20
+MODELS = ("gpt2-small", "1b")
+BATCH = {"gpt2-small": 8, "1b": 8}
+CHUNK = 1024
+BASE = {
+    "dense": {},
+    "int8": dict(storage_dtype="int8", block=16),
+    "int4": dict(storage_dtype="int4", block=16),
+    "topk": dict(sparsity=0.7, block=16),
+    "int4-dx8": dict(storage_dtype="int4", block=16, dx="int8"),
+    "remat": dict(remat=True),
+    "remat-dots": {},  # the trainer's model with its layer class swapped for nn.remat(Layer, policy=...)
+}
+# Measured in this order (the issue's goals first): every setting, then its chunked-loss row.
+SETTINGS = ("dense", "int4", "dense+chunk", "int4+chunk", "int8", "topk", "int4-dx8", "remat", "remat-dots",
+            "int8+chunk", "topk+chunk", "int4-dx8+chunk", "remat+chunk", "remat-dots+chunk")  # fmt: skip
+
+
+def config_of(model: str, setting: str, seq_len: int) -> LMConfig:
+    base, _, chunk = setting.partition("+")
+    return LMConfig(model=model, seq_len=seq_len, batch_size=BATCH[model], dtype="bfloat16", loss_chunk=CHUNK if chunk else 0,
+                    **BASE[base])  # fmt: skip
+
+
+@contextlib.contextmanager
+def layer_policy(setting: str):
+    """``remat-dots``: ``train.lm_model.Layer`` (which ``LM`` calls by its module-level name) is
+    ``nn.remat(Layer, policy=dots_with_no_batch_dims_saveable)`` for the duration."""
+    if not setting.startswith("remat-dots"):
+        yield
+        return
+    original = lm_model.Layer
+    lm_model.Layer = nn.remat(original, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    try:
+        yield
+    finally:
+        lm_model.Layer = original
+
+
+def step_args(config: LMConfig):
+    """``train.lm``'s step without its data-parallel wrapper: ``(params, opt_state, tokens) ->
+    (params, opt_state, loss)`` and its abstract arguments."""
+    shape = model_shape(config)
+    model = create_model(config, shape)
+    loss_fn = loss_function(model, config)
+    tx = create_optimizer(config, learning_rate_schedule(config))
+    init_tokens = jnp.zeros((1, shape.seq_len), jnp.int32)
+    params = jax.eval_shape(lambda: create_model(config, shape, compressed=False).init(jax.random.key(0), init_tokens)["params"])
+    opt = jax.eval_shape(tx.init, params)
+    tokens = jax.ShapeDtypeStruct((config.batch_size, shape.seq_len + 1), jnp.int32)
+
+    def step(params, opt, tokens):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, {"tokens": tokens}, None)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
+
+    return step, (params, opt, tokens), shape
+
+
+def measure(model: str, setting: str, target: str, seq_len: int) -> dict:
+    config = config_of(model, setting, seq_len)
+    with layer_policy(setting):
+        step, args, shape = step_args(config)
+        r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True)
+    logits_f32 = config.batch_size * shape.seq_len * shape.vocab_size * 4
+    top = [{"op": b.op, "mib": b.bytes / MIB} for b in r.live_at_peak[:10]]
+    # Logits-sized: at least the (B, T, V) array in bf16 (half the f32 logits), produced outside
+    # the layers (the head, the loss and their gradients: e.g. take_along_axis' scatter-add); a
+    # layer's own buffers (one layer's f32 attention probabilities can be as large) do not count.
+    logits_in_top = [b["op"] for b in top if b["mib"] * MIB >= logits_f32 / 2 and "layer" not in b["op"]]
+    return dict(model=model, setting=setting, target=target, batch=config.batch_size, seq_len=shape.seq_len,
+                vocab=shape.vocab_size, num_params=lm_model.num_params(shape), config=config.to_json(),
+                peak_mib=r.peak / MIB, temp_mib=r.temp / MIB, arguments_mib=r.arguments / MIB,
+                live_peak_mib=(r.live_peak or 0) / MIB, flops=r.flops, modelled_seconds=r.modelled_seconds,
+                roofline_seconds=r.roofline_seconds, optimal_seconds=r.optimal_seconds, logits_f32_mib=logits_f32 / MIB,
+                top10_at_peak=top, logits_in_top10=bool(logits_in_top), logits_sized_ops=logits_in_top, by_module=dict(list(r.by_module(depth=2).items())[:8]))  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    dense = {(r["model"], r["target"]): r for r in rows if r["setting"] == "dense"}
+    lines = ["| model | target | setting | peak MiB | peak vs dense | modelled ms | time vs dense | logits-sized buffer in top 10 at peak |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    order = lambda r: (MODELS.index(r["model"]), DEVICELESS_TARGETS.index(r["target"]), SETTINGS.index(r["setting"]))  # noqa: E731
+    for r in sorted(rows, key=order):
+        d = dense.get((r["model"], r["target"]))
+        ratio = lambda k: f"{r[k] / d[k]:.2f}x" if d and r.get(k) and d.get(k) else "-"  # noqa: E731
+        ms = f"{r['modelled_seconds'] * 1e3:.1f}" if r.get("modelled_seconds") else "-"
+        biggest = r["top10_at_peak"][0] if r["top10_at_peak"] else None
+        logits = "yes" if r["logits_in_top10"] else "no"
+        if biggest:
+            logits += f" (largest: {biggest['mib']:.0f} MiB)"
+        lines.append(f"| {r['model']} B={r['batch']} | {r['target']} | {r['setting']} | {r['peak_mib']:.0f} | {ratio('peak_mib')} | "
+                     f"{ms} | {ratio('modelled_seconds')} | {logits} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--targets", nargs="+", choices=DEVICELESS_TARGETS, default=list(DEVICELESS_TARGETS))
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
+    parser.add_argument("--seq-len", type=int, default=2048, help="T (default: %(default)s)")
+    parser.add_argument("--out", default="benchmarks/results/lm_compiled.json")
+    parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
+    parser.add_argument("--remeasure", action="store_true", help="measure the chosen rows again even where --out has them")
+    args = parser.parse_args(argv)
+    saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
+    if not args.table_only:
+        meta = run_metadata()
+        key = lambda r: (r["model"], r["setting"], r["target"], r["seq_len"])  # noqa: E731
+        done = set() if args.remeasure else {key(r) for r in saved["runs"]}
+        for target in args.targets:
+            for setting in args.settings:
+                for model in args.models:
+                    if (model, setting, target, args.seq_len) in done:
+                        continue
+                    print(f"[lm_compiled] {model} {target} {setting} ...", file=sys.stderr, flush=True)
+                    row = measure(model, setting, target, args.seq_len)
+                    row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
+                    saved["runs"] = [r for r in saved["runs"] if key(r) != key(row)] + [row]
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    with open(args.out + ".tmp", "w") as f:
+                        json.dump(saved, f, indent=1)
+                    os.replace(args.out + ".tmp", args.out)
+                    print(f"[lm_compiled]   peak {row['peak_mib']:.0f} MiB, modelled {(row['modelled_seconds'] or 0) * 1e3:.1f} ms, "
+                          f"logits in top 10: {row['logits_in_top10']}", file=sys.stderr, flush=True)  # fmt: skip
+        print(footer(meta))
+    print(table(saved["runs"]))
+
+
+if __name__ == "__main__":
+    main()
