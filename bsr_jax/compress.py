@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -185,8 +185,11 @@ def compressing(rules: Sequence[Rule], *, lean: bool = True) -> Iterator[_Shared
         yield shared
 
 
-def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, dx: lean_graph.DxRules = None) -> nn.Module:
+def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, treatment: lean_graph.Treatment | None) -> nn.Module:
+    """``lean``: inside ``bsr_jax.lean``'s context; ``treatment``: evaluated by ``lean_graph``."""
     base = type(model)
+    if treatment is not None:
+        treatment = dataclasses.replace(treatment, roots=frozenset({base.__name__}))
 
     def apply(self, variables, *args, **kwargs):
         def run(variables, *args, **kwargs):
@@ -195,7 +198,7 @@ def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, dx:
 
         with compressing(rules, lean=lean):
             # lean: hand-written norms, activations and attention keep less too (bsr_jax.lean_graph).
-            return lean_graph.lean_call(run, variables, *args, dx=dx, **kwargs) if lean else run(variables, *args, **kwargs)
+            return lean_graph.lean_call(run, variables, *args, treatment=treatment, **kwargs) if treatment is not None else run(variables, *args, **kwargs)
 
     def init_with_output(self, rngs, *args, **kwargs):
         # Parameters are created by the original modules (compression only changes gradients); the
@@ -255,14 +258,41 @@ def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx
     return model
 
 
-def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = True, dx: lean_graph.DxRules = None) -> Any:
+def _modes(lean: bool | Sequence[tuple[str, bool]], remat: Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    """``lean_graph`` mode rules from ``compress_model``'s ``lean`` and ``remat``, checked."""
+    modes: list[tuple[str, Any]] = []
+    for pattern, policy in remat:
+        if not isinstance(pattern, str) or not (policy is None or callable(policy)):
+            raise ValueError(f"remat must be (pattern, jax.checkpoint policy or None) pairs, got {(pattern, policy)!r}")
+        modes.append((pattern, lean_graph.Remat(policy)))
+    if lean is False and modes:
+        modes.append(("*", False))  # remat only: every other module as traced
+    if not isinstance(lean, bool):
+        for rule in lean:
+            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and isinstance(rule[1], bool)):
+                raise ValueError(f"lean must be True, False or (pattern, bool) pairs, got {rule!r}")
+            modes.append(rule)
+    return tuple(modes)
+
+
+def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool | Sequence[tuple[str, bool]] = True,
+                   dx: lean_graph.DxRules = None, remat: Sequence[tuple[str, Callable[..., bool] | None]] = ()) -> Any:  # fmt: skip
     """``model`` with block-pruned residuals where ``rules`` say (first match by module path).
 
     Args:
       model: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module``.
       rules: ``bsr_jax.Rule(pattern, compression)``s, or one; e.g. ``[Rule("*", Pruning(0.7, block=16))]``;
         at least one (an empty list is a ``ValueError``).
-      lean: also make norms, activations and attention keep less (exact; ``bsr_jax.lean``).
+      lean: also make norms, activations and attention keep less (exact; ``bsr_jax.lean``); or
+        ``[(pattern, bool), ...]`` by module path, first match (unmatched: lean), linen only:
+        ``[("blocks_0/*", False)]`` leaves what ``blocks_0``'s submodules keep to XLA (then only
+        ``bsr_jax.lean_graph`` makes modules lean, not ``bsr_jax.lean``'s replaced functions,
+        so ReLU keeps its output, not a 1-bit mask).
+      remat: ``[(pattern, policy), ...]`` (linen): the module whose path a pattern matches (the
+        shortest such path) and everything below it run under one ``jax.checkpoint(policy=...)``,
+        as if the model had wrapped it in ``nn.remat(..., policy=policy)``; ``None``: JAX's
+        default, keeping nothing. Inside ``nn.scan``, each layer (iteration) is checkpointed.
+        Exact: the forward pass is unchanged, gradients are recomputed.
       dx: approximate input gradients, opt-in (linen, with ``lean``): ``"int8"`` or ``"int4"``
         stores what the backward of every recognised norm, activation and attention reads (their
         inputs, e.g. GELU's input, q/k/v) in that format (``bsr_jax.dx``), or ``[(pattern,
@@ -286,10 +316,15 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool = Tru
     if dx is not None:
         for fmt in [dx] if isinstance(dx, str) else [f for _, f in dx]:
             check_dx(fmt)
-        if not lean or not isinstance(model, nn.Module):
+        if lean is False or not isinstance(model, nn.Module):
             raise ValueError("dx needs lean=True and a flax.linen model (NNX models: not yet)")
+    modes = _modes(lean, remat)
+    if modes and not isinstance(model, nn.Module):
+        raise ValueError("lean rules by path and remat= need a flax.linen model (NNX: lean=True/False only)")
     if isinstance(model, nn.Module):
-        return _linen_compressed(model, rules, lean, dx)
+        treatment = lean_graph.Treatment(dx=dx, modes=modes) if lean is not False or modes else None
+        # Rules by path: lean_graph alone (bsr_jax.lean's replacements apply everywhere or nowhere).
+        return _linen_compressed(model, rules, lean is True, treatment)
     if isinstance(model, nnx.Module):
         return _nnx_compress(model, rules, lean)
     raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")

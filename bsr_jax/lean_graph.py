@@ -42,6 +42,7 @@ not traced (an op-by-op forward of concrete arrays, which has no backward pass) 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +60,57 @@ from bsr_jax.report import module_path
 
 # A bsr_jax.dx format for every module, or (pattern, format or None) rules by module path.
 DxRules = str | Sequence[tuple[str, str | None]] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """A module evaluated as ``nn.remat`` would: all of its computation (its submodules' too)
+    under one ``jax.checkpoint(policy=policy)``; ``None`` keeps nothing (JAX's default)."""
+
+    policy: Callable[..., bool] | None = None
+
+
+# How a module's computation is evaluated, ``(pattern, mode)`` rules by module path (the path
+# rules match: the root's class name dropped), first match: ``True`` lean (a checkpoint per
+# segment, ``policy``), ``False`` as traced (XLA keeps what it keeps), ``Remat``. A ``Remat`` rule
+# applies to the module its pattern names and everything below it; no match: lean.
+ModeRules = Sequence[tuple[str, "bool | Remat"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Treatment:
+    """What ``evaluate`` does with each module: ``dx`` rules, ``modes``, and ``roots`` (the root
+    module's class name, dropped from paths before ``modes`` match them)."""
+
+    dx: DxRules = None
+    modes: ModeRules = ()
+    roots: frozenset[str] = frozenset()
+
+    def _parts(self, path: str) -> list[str]:
+        parts = path.split("/") if path else []
+        return parts[1:] if parts and parts[0] in self.roots else parts
+
+    def dx_format(self, path: str) -> str | None:
+        """The ``bsr_jax.dx`` format for the module at ``path``: ``dx`` itself, or its first rule
+        ``(pattern, format)`` whose pattern matches the path."""
+        if self.dx is None or isinstance(self.dx, str):
+            return self.dx
+        path = "/".join(self._parts(path))
+        return next((fmt for pattern, fmt in self.dx if fnmatch.fnmatchcase(path, pattern)), None)
+
+    def mode(self, path: str) -> tuple[str | None, bool | Remat]:
+        """``(block, Remat)`` for a path at or below a module a ``Remat`` rule names (``block``: that
+        module's path, the shortest such), else ``(None, lean or not)``."""
+        if not self.modes:
+            return None, True
+        parts = self._parts(path)
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            mode = next((m for pattern, m in self.modes if fnmatch.fnmatchcase(prefix, pattern)), True)
+            if isinstance(mode, Remat):
+                return prefix, mode
+        mode = next((m for pattern, m in self.modes if fnmatch.fnmatchcase("/".join(parts), pattern)), True)
+        return None, bool(mode)
 
 # Primitives whose outputs are recomputed rather than kept: elementwise math, comparisons and
 # selects, layout changes, reductions and scans over an axis, gathers (embedding lookups), random
@@ -163,7 +215,7 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if isinstance(v, jax_core.Literal) else env[v]
 
 
-def _lean_scan(eqn: Any, values: list[Any], dx: DxRules, computed: list[bool]) -> list[Any]:
+def _lean_scan(eqn: Any, values: list[Any], treatment: Treatment, computed: list[bool]) -> list[Any]:
     """``eqn``, a ``scan``, with its body evaluated by ``evaluate`` (each of the body's segments
     under its own ``jax.checkpoint``), otherwise as bound.
 
@@ -179,7 +231,7 @@ def _lean_scan(eqn: Any, values: list[Any], dx: DxRules, computed: list[bool]) -
     ``num_carry`` carries, then the scanned slices; its outputs the carries, then the stacked
     per-iteration outputs. ``jax.lax.scan`` traces the body anew (its consts become the new
     ``scan``'s loop invariants) and checks that carries keep their types. ``computed``: which
-    operands the step computed (``evaluate``'s ``dx`` stores only those); carries count as
+    operands the step computed (``evaluate``'s dx formats store only those); carries count as
     computed, since every iteration after the first reads the previous one's output."""
     params = eqn.params
     body, num_consts, num_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
@@ -188,7 +240,7 @@ def _lean_scan(eqn: Any, values: list[Any], dx: DxRules, computed: list[bool]) -
     body_computed = [*computed[:num_consts], *[True] * num_carry, *computed[num_consts + num_carry :]]
 
     def step(carry, x):
-        out = evaluate(body.jaxpr, body.consts, [*consts, *carry, *x], dx, body_computed)
+        out = evaluate(body.jaxpr, body.consts, [*consts, *carry, *x], treatment, body_computed)
         return out[:num_carry], out[num_carry:]
 
     carry, ys = jax.lax.scan(step, list(init), list(xs), length=params["length"], reverse=params["reverse"],
@@ -196,11 +248,12 @@ def _lean_scan(eqn: Any, values: list[Any], dx: DxRules, computed: list[bool]) -
     return [*carry, *ys]
 
 
-def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], dx: DxRules = None,
+def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], treatment: Treatment | None,
                  arguments: frozenset[Any] = frozenset()) -> Callable[..., list[Any]]:  # fmt: skip
     """The segment's equations as a function of ``ins`` returning ``outs``; a ``scan`` among them
     evaluates its body as ``evaluate`` does (``_lean_scan``; ``arguments``: the variables that are
-    the step's arguments, not computed)."""
+    the step's arguments, not computed), or as bound where ``treatment`` is None (inside a
+    ``Remat`` module, whose checkpoint decides for all of it)."""
 
     def run(*values):
         env = dict(zip(ins, values))
@@ -210,9 +263,9 @@ def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], dx: DxRule
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             invals = [_read(env, v) for v in eqn.invars]
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-                if eqn.primitive is jax.lax.scan_p:
+                if eqn.primitive is jax.lax.scan_p and treatment is not None:
                     computed = [isinstance(v, jax_core.Var) and v not in arguments for v in eqn.invars]
-                    out = _lean_scan(eqn, invals, dx, computed)
+                    out = _lean_scan(eqn, invals, treatment, computed)
                 else:
                     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
@@ -228,30 +281,42 @@ def _backward_reads(fn: Callable[..., Any], args: list[Any]) -> list[bool]:
     return [v in kept for v in closed.jaxpr.invars]
 
 
-def _segment_dx(path: str, dx: DxRules) -> str | None:
-    """The ``bsr_jax.dx`` format for the module at ``path``: ``dx`` itself, or its first rule
-    ``(pattern, format)`` whose pattern matches the path."""
-    if dx is None or isinstance(dx, str):
-        return dx
-    return next((fmt for pattern, fmt in dx if fnmatch.fnmatchcase(path, pattern)), None)
+def _units(segments: list[list[Any]], paths: list[str], treatment: Treatment) -> list[tuple[list[Any], str, bool | Remat]]:
+    """The segments grouped as ``evaluate`` runs them, ``(equations, path, mode)``: consecutive
+    segments at or below one ``Remat`` module merged into one unit (its path the module's), every
+    other segment its own unit, lean or not."""
+    units: list[tuple[list[Any], str, bool | Remat]] = []
+    previous = None
+    for segment, path in zip(segments, paths):
+        block, mode = treatment.mode(path)
+        if block is not None and block == previous:
+            units[-1][0].extend(segment)
+        else:
+            units.append((list(segment), block if block is not None else path, mode))
+        previous = block
+    return units
 
 
-def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None, computed: Sequence[bool] | None = None) -> list[Any]:
+def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], treatment: Treatment = Treatment(),
+             computed: Sequence[bool] | None = None) -> list[Any]:  # fmt: skip
     """``jaxpr``'s outputs, each segment (module) evaluated under ``jax.checkpoint(policy=policy)``,
-    with the cheap outputs of its submodules that it reads recomputed inside (``_pulled``).
+    with the cheap outputs of its submodules that it reads recomputed inside (``_pulled``), unless
+    ``treatment.modes`` say otherwise: as traced, or a whole module under one checkpoint (``Remat``).
 
-    With ``dx`` (a ``bsr_jax.dx`` format, or ``(pattern, format or None)`` rules by module path,
-    first match): a segment that keeps nothing of its own (every equation recomputed: a norm, an
-    activation, attention's softmax) keeps the inputs its backward reads in that format instead
-    (``bsr_jax.dx.stored_compressed``): those the step computed, not its arguments (parameters,
-    the model's inputs). ``computed``: which of ``args`` the step computed (a ``scan`` body's
-    carries; by default none: ``args`` are the step's arguments)."""
+    With ``treatment.dx`` (a ``bsr_jax.dx`` format, or ``(pattern, format or None)`` rules by module
+    path, first match): a lean segment that keeps nothing of its own (every equation recomputed: a
+    norm, an activation, attention's softmax) keeps the inputs its backward reads in that format
+    instead (``bsr_jax.dx.stored_compressed``): those the step computed, not its arguments
+    (parameters, the model's inputs). ``computed``: which of ``args`` the step computed (a
+    ``scan`` body's carries; by default none: ``args`` are the step's arguments)."""
     segments, paths = _segments(jaxpr.eqns)
+    units = _units(segments, paths, treatment)
     order = {id(eqn): i for i, eqn in enumerate(jaxpr.eqns)}
-    producers = {v: (eqn, i, path) for i, (segment, path) in enumerate(zip(segments, paths)) for eqn in segment for v in eqn.outvars}
-    # Each segment's equations to run: the pulled producers (in program order), then its own.
-    runs = [sorted(_pulled(segment, path, producers), key=lambda e: order[id(e)]) + segment for segment, path in zip(segments, paths)]
-    # Variables read after each segment (by later segments or as outputs): what it must return.
+    producers = {v: (eqn, i, path) for i, (unit, path, _) in enumerate(units) for eqn in unit for v in eqn.outvars}
+    # Each unit's equations to run: for a lean one the pulled producers (in program order), then its own.
+    runs = [(sorted(_pulled(unit, path, producers), key=lambda e: order[id(e)]) if mode is True else []) + unit
+            for unit, path, mode in units]  # fmt: skip
+    # Variables read after each unit (by later units or as outputs): what it must return.
     needed_after: list[set[Any]] = []
     live = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
     for run in reversed(runs):
@@ -261,28 +326,33 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], dx: DxRules = None,
     env.update(zip(jaxpr.invars, args))
     computed = computed or [False] * len(args)
     arguments = frozenset(jaxpr.constvars) | {v for v, c in zip(jaxpr.invars, computed) if not c}
-    for segment, path, run, after in zip(segments, paths, runs, reversed(needed_after)):
+    for (unit, path, mode), run, after in zip(units, runs, reversed(needed_after)):
         defined = {v for eqn in run for v in eqn.outvars}
         ins = list(dict.fromkeys(v for eqn in run for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined))
-        outs = [v for eqn in segment for v in eqn.outvars if v in after]
-        segment_fn = jax.checkpoint(_run_segment(run, ins, outs, dx, arguments), policy=policy)
+        outs = [v for eqn in unit for v in eqn.outvars if v in after]
         values = [env[v] for v in ins]
-        fmt = _segment_dx(path, dx)
-        if fmt is not None and all(recomputed(eqn) for eqn in run):
-            produced = [v not in arguments for v in ins]
-            read = _backward_reads(segment_fn, values)
-            segment_fn = stored_compressed(segment_fn, fmt, only=[p and r for p, r in zip(produced, read)], unread=[not r for r in read])
-        values = segment_fn(*values)
-        env.update(zip(outs, values))
+        if isinstance(mode, Remat):
+            segment_fn = jax.checkpoint(_run_segment(run, ins, outs, None, arguments), policy=mode.policy)
+        elif mode is False:
+            segment_fn = _run_segment(run, ins, outs, treatment, arguments)
+        else:
+            segment_fn = jax.checkpoint(_run_segment(run, ins, outs, treatment, arguments), policy=policy)
+            fmt = treatment.dx_format(path)
+            if fmt is not None and all(recomputed(eqn) for eqn in run):
+                produced = [v not in arguments for v in ins]
+                read = _backward_reads(segment_fn, values)
+                segment_fn = stored_compressed(segment_fn, fmt, only=[p and r for p, r in zip(produced, read)], unread=[not r for r in read])
+        env.update(zip(outs, segment_fn(*values)))
     return [_read(env, v) for v in jaxpr.outvars]
 
 
 _COMPUTED = object()  # marks the result leaves the jaxpr computes
 
 
-def lean_call(fn: Callable[..., Any], *args: Any, dx: DxRules = None, **kwargs: Any) -> Any:
+def lean_call(fn: Callable[..., Any], *args: Any, treatment: Treatment = Treatment(), **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, keeping for the backward pass only what each module's computation
-    needs (see the module docstring), in ``dx``'s format where given (``evaluate``). Array leaves of
+    needs (see the module docstring), in ``treatment.dx``'s format where given, each module as
+    ``treatment.modes`` say (``evaluate``). Array leaves of
     the arguments are traced; other leaves (``train=True``, ``mutable=[...]``) and non-array leaves
     of the result stay Python values."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -300,5 +370,5 @@ def lean_call(fn: Callable[..., Any], *args: Any, dx: DxRules = None, **kwargs: 
         return [o for o in out_leaves if isinstance(o, jax.Array)]
 
     closed = jax.make_jaxpr(traced)(*arrays)
-    computed = iter(evaluate(closed.jaxpr, closed.consts, arrays, dx))
+    computed = iter(evaluate(closed.jaxpr, closed.consts, arrays, treatment))
     return jax.tree.unflatten(result["tree"], [next(computed) if s is _COMPUTED else s for s in result["static"]])
