@@ -1,0 +1,337 @@
+"""Fit a training step into a memory budget at the least modelled time: ``plan``.
+
+``plan(model, loss_fn, *example_batch, optimizer=..., budget=..., target="h100")`` chooses, for
+each repeated block of a linen model (``MixerBlock_0..11``, ``encoderblock_i``, a ``nn.scan``'s
+layer), one of ``OPTIONS`` (keep, lean neighbours, int8/int4 storage, int4 with approximate dx,
+top-k, remat of the block under JAX's policies, host offload), and one for the rest of the model
+(keep, lean, int4), the combination with the least modelled step time
+(``CompiledStep.modelled_seconds``) whose compiled peak fits ``budget``; it compiles what it
+returns. Everything it measures is a full step: loss, gradient, optimizer update, parameters and
+optimizer state donated, compiled deviceless for ``target`` (``bsr_jax.compiled_memory``).
+
+How it searches, in compiles (each cached by its choices):
+
+1. the dense step (the budget's reference and the baseline), then every option on every block
+   at once (``uniform``): the peak and time each option adds per block, assuming blocks alike;
+2. the rest of the model lean or int4, with the blocks at the option of least peak;
+3. the linear model of those deltas ranks every assignment that mixes at most two options over
+   the blocks (the more compressing one on the first blocks, whose residuals live longest) with
+   each choice for the rest: with one budget, the best of a linear model needs no more than two
+   options per block kind. The best predicted assignments are compiled in order until
+   ``verify`` of them were compiled; the fastest compiled one within budget is returned.
+
+Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
+uncompiled: a plan's peak and time are those of its own compiled step. Approximate options
+(``int8``/``int4`` dW, ``int4-dx8`` dx, ``topk``) change gradients within the bounds documented in
+docs/memory.md; ``options=EXACT`` restricts the search to exact ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import optax
+from jax._src import core as jax_core
+
+from bsr_jax.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory
+from bsr_jax.compress import compress_model
+from bsr_jax.format import Pruning
+from bsr_jax.report import module_path
+from bsr_jax.rules import Rule
+
+REST = "(rest)"  # the choices' key for everything outside the blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """What one block does: its layers' compression (``None``: exact dW), lean neighbours, an
+    approximate-dx format, or a remat policy (``remat=True``: the whole block under
+    ``jax.checkpoint(policy=policy)``, ``policy=None`` keeping nothing)."""
+
+    compression: Pruning | None = None
+    lean: bool = True
+    dx: str | None = None
+    remat: bool = False
+    policy: Callable[..., bool] | None = None
+    exact: bool = True
+
+
+_INT4 = Pruning(0.0, block=16, storage_dtype="int4")
+OPTIONS: Mapping[str, Option] = {
+    "keep": Option(lean=False),
+    "lean": Option(),
+    "int8": Option(Pruning(0.0, block=16, storage_dtype="int8"), exact=False),
+    "int4": Option(_INT4, exact=False),
+    "int4-dx8": Option(_INT4, dx="int8", exact=False),
+    "topk": Option(Pruning(0.7, block=16), exact=False),
+    "remat": Option(remat=True),
+    "remat-dots": Option(remat=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "remat-dots-all": Option(remat=True, policy=jax.checkpoint_policies.dots_saveable),
+    "remat-offload": Option(remat=True, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
+}
+EXACT = tuple(name for name, option in OPTIONS.items() if option.exact)
+REST_OPTIONS = ("keep", "lean", "int4")
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_budget(budget: int | float | str) -> tuple[str, float]:
+    """``("bytes", n)`` or ``("fraction", f)`` (of the dense step's peak) from ``12 * 2**30``,
+    ``"12GiB"``, ``"800MB"``, ``0.5`` or ``"0.5"``; a ``ValueError`` naming the forms otherwise."""
+    value, unit = budget, None
+    if isinstance(budget, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([a-zA-Z]*)\s*", budget)
+        if match is not None and match.group(2).upper() in _UNITS:
+            value, unit = float(match.group(1)), match.group(2).upper()
+    if isinstance(value, float) and unit in (None, "") and 0 < value <= 1:
+        return "fraction", value
+    if (isinstance(value, int) or unit is not None) and not isinstance(value, bool) and value * _UNITS[unit or ""] > 1:
+        return "bytes", float(value * _UNITS[unit or ""])
+    raise ValueError("budget must be bytes (int), a size string like '12GiB' or '800MB', or a fraction of the dense "
+                     f"step's peak in (0, 1], got {budget!r}")  # fmt: skip
+
+
+def _walk(jaxpr: Any, scale: int = 1) -> Any:
+    """``(equation, its jaxpr's trip count)`` for every equation, nested ones too."""
+    for eqn in jaxpr.eqns:
+        yield eqn, scale
+        inner = scale * eqn.params["length"] if eqn.primitive is jax.lax.scan_p else scale
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            yield from _walk(sub, inner)
+
+
+def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
+    """The repeated blocks of a traced model: ``(paths, scanned)``. Siblings whose names differ
+    only in a trailing number (``MixerBlock_3``, ``h/7``) form a group; the group whose equations
+    count most (times the trip count of the loops they run in) wins; a ``nn.scan``'s layer (the
+    common module of its body's equations) counts as one block run ``length`` times."""
+    weight: dict[str, int] = {}
+    scans: dict[str, int] = {}
+    for eqn, scale in _walk(jaxpr):
+        parts = module_path(eqn.source_info.name_stack, frozenset({root})).split("/")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            weight[prefix] = weight.get(prefix, 0) + scale
+        if eqn.primitive is jax.lax.scan_p:
+            body = [module_path(e.source_info.name_stack, frozenset({root})).split("/")[0] for e, _ in _walk(eqn.params["jaxpr"].jaxpr)]
+            if body and all(p == body[0] and p for p in body):
+                scans[body[0]] = eqn.params["length"]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path in weight:
+        if not path:
+            continue
+        parent, _, name = path.rpartition("/")
+        stem = re.sub(r"_?\d+$", "", name)
+        if stem != name:
+            groups.setdefault((parent, stem), []).append(path)
+    candidates = [(sum(weight[p] for p in paths), tuple(sorted(paths, key=_natural)), False) for paths in groups.values() if len(paths) > 1]
+    candidates += [(weight.get(path, 0), (path,), True) for path in scans]
+    if not candidates:
+        raise ValueError("plan: found no repeated blocks (siblings named name_0, name_1, ... or a nn.scan's layer) in the model")
+    _, paths, scanned = max(candidates, key=lambda c: c[0])
+    return paths, scanned
+
+
+def _natural(path: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path))
+
+
+def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], rest: str = "keep") -> nn.Module:
+    """``model`` with block ``blocks[i]`` treated as ``OPTIONS[choices[i]]`` and everything else as
+    ``OPTIONS[rest]`` (``compress_model`` with rules, lean modes, dx and remat by path)."""
+    rules, lean, dx, remat = [], [], [], []
+    for block, name in zip(blocks, choices):
+        option = OPTIONS[name]
+        inside = (block, f"{block}/*")
+        if option.remat:
+            remat.append((block, option.policy))
+            continue
+        if option.compression is not None:
+            rules.append(Rule(f"{block}/*", option.compression))
+        lean += [(p, option.lean) for p in inside]
+        dx += [(p, option.dx) for p in inside]
+    rest_option = OPTIONS[rest]
+    rules.append(Rule("*", rest_option.compression))
+    lean.append(("*", rest_option.lean))
+    dx.append(("*", None))
+    any_dx = any(fmt for _, fmt in dx)
+    return compress_model(model, rules, lean=lean, dx=dx if any_dx else None, remat=remat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One compiled candidate: its choices (block path -> option, ``REST`` -> the rest's), peak
+    (bytes) and modelled step time (seconds)."""
+
+    choices: Mapping[str, str]
+    peak: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``plan`` chose. ``model``: a linen module with the dense parameter tree and the same
+    forward values, to use in the user's own step; ``choices``: block path -> option name
+    (``OPTIONS``), ``REST`` -> the rest's; ``peak``/``modelled_seconds``: its compiled step on
+    ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy);
+    ``tried``: every candidate compiled, in order."""
+
+    model: nn.Module
+    choices: Mapping[str, str]
+    peak: int
+    modelled_seconds: float
+    budget: int
+    target: str
+    dense: Measured
+    remat: Measured
+    tried: tuple[Measured, ...]
+    compiled: CompiledStep = dataclasses.field(repr=False)
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+        lines = [f"plan for {self.target}, budget {mib(self.budget)} ({self.budget / self.dense.peak:.2f} of dense's peak)",
+                 f"  chosen: {mib(self.peak)} ({self.peak / self.dense.peak:.2f}x), {self.modelled_seconds * 1e3:.2f} ms "
+                 f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
+                 f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",
+                 f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
+                 f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)",
+                 "  per block:"]  # fmt: skip
+        blocks = [(path, name) for path, name in self.choices.items() if path != REST]
+        for key, group in itertools.groupby(blocks, key=lambda kv: kv[1]):
+            paths = [p for p, _ in group]
+            lines.append(f"    {paths[0] if len(paths) == 1 else paths[0] + ' .. ' + paths[-1]:<40} {key}")
+        lines.append(f"    {'everything else':<40} {self.choices[REST]}")
+        return "\n".join(lines)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
+
+
+class _Search:
+    """Compiles candidates (cached by their choices) and remembers them in order."""
+
+    def __init__(self, model, loss_fn, batch, variables, optimizer, target, progress):
+        self.model, self.loss_fn, self.batch, self.variables = model, loss_fn, batch, variables
+        self.optimizer, self.target, self.progress = optimizer, target, progress
+        self.opt_state = jax.eval_shape(optimizer.init, variables["params"])
+        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}
+
+    def step(self, module: nn.Module):
+        loss_fn, optimizer = self.loss_fn, self.optimizer
+
+        def step(variables, opt_state, *batch):
+            others = {k: v for k, v in variables.items() if k != "params"}
+            value, grads = jax.value_and_grad(lambda p: loss_fn(module, others | {"params": p}, *batch))(variables["params"])
+            updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
+            return others | {"params": optax.apply_updates(variables["params"], updates)}, opt_state, value
+
+        return step
+
+    def measure(self, blocks: Sequence[str], choices: Sequence[str], rest: str) -> Measured:
+        key = (tuple(choices), rest)
+        if key not in self.cache:
+            module = self.model if set(choices) == {"keep"} and rest == "keep" else assemble(self.model, blocks, choices, rest)
+            compiled = compiled_memory(self.step(module), self.variables, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            measured = Measured(dict(zip(blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
+            self.cache[key] = (measured, compiled)
+            if self.progress:
+                print(f"[plan] {len(self.cache):>3} compiled: {_label(choices, rest):<44} {compiled.peak / 2**20:>10,.0f} MiB "
+                      f"{compiled.modelled_seconds * 1e3:>9.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
+        return self.cache[key][0]
+
+
+def _label(choices: Sequence[str], rest: str) -> str:
+    runs = [f"{len(list(g))}x{name}" for name, g in itertools.groupby(choices)]
+    return " + ".join(runs) + f", rest {rest}"
+
+
+def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
+         budget: int | float | str, target: str = "h100", options: Sequence[str] = tuple(OPTIONS), verify: int = 3,
+         variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True) -> Plan:  # fmt: skip
+    """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
+
+    Args:
+      model: an unbound ``flax.linen.Module`` with repeated blocks (see ``find_blocks``).
+      loss_fn: ``loss_fn(module, variables, *batch) -> scalar``, called with each candidate module
+        (it applies ``module``; mutable collections such as ``batch_stats`` are the caller's to handle).
+      example_batch: arrays or ``jax.ShapeDtypeStruct``s of one training batch.
+      optimizer: the optax transformation of the step (its state counts toward the peak).
+      budget: bytes (int), a size string (``"12GiB"``, ``"800MB"``) or a fraction in (0, 1] of the
+        dense step's compiled peak on ``target``.
+      target: ``"h100"`` or ``"tpu-v5p"`` (deviceless; see ``bsr_jax.compiled_memory``).
+      options: names from ``OPTIONS`` the blocks may take (``EXACT``: only exact ones); ``"keep"``
+        is always included.
+      verify: how many mixed assignments, best predicted first, are compiled.
+      variables: the model's variables (arrays or ``ShapeDtypeStruct``s); default: the abstract
+        ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``.
+      progress: one line on stderr per compile.
+
+    Returns:
+      a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is.
+
+    Raises:
+      ValueError: bad ``budget``/``target``/``options``, a model with no repeated blocks, or no
+        candidate within budget (the message names the smallest compiled peak and its choices).
+    """
+    kind, amount = parse_budget(budget)
+    if target not in DEVICELESS_TARGETS:
+        raise ValueError(f"target must be one of {DEVICELESS_TARGETS}, got {target!r}")
+    unknown = [o for o in options if o not in OPTIONS]
+    if unknown:
+        raise ValueError(f"options {unknown} unknown; choose from {tuple(OPTIONS)}")
+    if not isinstance(verify, int) or verify < 0:
+        raise ValueError(f"verify must be an int >= 0, got {verify!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"plan needs a flax.linen Module, got {type(model).__name__} (NNX models: not yet)")
+    batch = _abstract(example_batch)
+    if variables is None:
+        args = _abstract(tuple(init_args) if init_args is not None else batch[:1])
+        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *(jax.numpy.zeros(a.shape, a.dtype) for a in args)))
+    variables = _abstract(variables)
+    traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(variables, *batch)
+    blocks, _ = find_blocks(traced.jaxpr, type(model).__name__)
+    search = _Search(model, loss_fn, batch, variables, optimizer, target, progress)
+    n = len(blocks)
+    if progress:
+        print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}", file=sys.stderr)
+    dense = search.measure(blocks, ["keep"] * n, "keep")
+    limit = amount * dense.peak if kind == "fraction" else amount
+    names = list(dict.fromkeys(["keep", *options]))
+    uniform = {name: search.measure(blocks, [name] * n, "keep") for name in names}
+    remat = search.measure(blocks, ["remat"] * n, "keep")
+    smallest = min(names, key=lambda name: uniform[name].peak)
+    rest_delta = {"keep": (0, 0.0)}
+    for rest in REST_OPTIONS[1:]:
+        m = search.measure(blocks, [smallest] * n, rest)
+        rest_delta[rest] = (m.peak - uniform[smallest].peak, m.seconds - uniform[smallest].seconds)
+
+    def predicted(choices: tuple[str, ...], rest: str) -> tuple[float, float]:
+        peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + rest_delta[rest][0]
+        seconds = dense.seconds + sum(uniform[c].seconds - dense.seconds for c in choices) / n + rest_delta[rest][1]
+        return peak, seconds
+
+    assignments = {(tuple([b] * k + [a] * (n - k)), rest) for a in names for b in names for k in range(n + 1) for rest in rest_delta}
+    ranked = sorted((predicted(*a)[1], a) for a in assignments if predicted(*a)[0] <= limit and a not in search.cache)
+    for _, (choices, rest) in ranked[:verify]:
+        search.measure(blocks, choices, rest)
+    fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit]
+    if not fitting:
+        best = min((m for m, _ in search.cache.values()), key=lambda m: m.peak)
+        raise ValueError(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
+                         f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with "
+                         f"{_label([best.choices[b] for b in blocks], best.choices[REST])}")  # fmt: skip
+    _, (choices, rest) = min(fitting)
+    chosen, compiled = search.cache[(choices, rest)]
+    module = model if set(choices) == {"keep"} and rest == "keep" else assemble(model, blocks, choices, rest)
+    return Plan(model=module, choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
+                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
+
+
+__all__ = ["EXACT", "OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
