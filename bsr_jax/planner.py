@@ -217,11 +217,12 @@ def _abstract(tree: Any) -> Any:
 class _Search:
     """Compiles candidates (cached by their choices) and remembers them in order."""
 
-    def __init__(self, model, loss_fn, batch, variables, optimizer, target, progress):
+    def __init__(self, model, loss_fn, batch, variables, optimizer, target, progress, cache):
         self.model, self.loss_fn, self.batch, self.variables = model, loss_fn, batch, variables
         self.optimizer, self.target, self.progress = optimizer, target, progress
         self.opt_state = jax.eval_shape(optimizer.init, variables["params"])
-        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}
+        self.shared = cache if cache is not None else {}
+        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
 
     def step(self, module: nn.Module):
         loss_fn, optimizer = self.loss_fn, self.optimizer
@@ -236,11 +237,13 @@ class _Search:
 
     def measure(self, blocks: Sequence[str], choices: Sequence[str], rest: str) -> Measured:
         key = (tuple(choices), rest)
+        if key not in self.cache and (self.target, *key) in self.shared:
+            self.cache[key] = self.shared[(self.target, *key)]
         if key not in self.cache:
             module = self.model if set(choices) == {"keep"} and rest == "keep" else assemble(self.model, blocks, choices, rest)
             compiled = compiled_memory(self.step(module), self.variables, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
             measured = Measured(dict(zip(blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
-            self.cache[key] = (measured, compiled)
+            self.cache[key] = self.shared[(self.target, *key)] = (measured, compiled)
             if self.progress:
                 print(f"[plan] {len(self.cache):>3} compiled: {_label(choices, rest):<44} {compiled.peak / 2**20:>10,.0f} MiB "
                       f"{compiled.modelled_seconds * 1e3:>9.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
@@ -254,7 +257,8 @@ def _label(choices: Sequence[str], rest: str) -> str:
 
 def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
          budget: int | float | str, target: str = "h100", options: Sequence[str] = tuple(OPTIONS), verify: int = 3,
-         variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True) -> Plan:  # fmt: skip
+         variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
+         cache: dict | None = None) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
 
     Args:
@@ -272,6 +276,8 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
       variables: the model's variables (arrays or ``ShapeDtypeStruct``s); default: the abstract
         ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``.
       progress: one line on stderr per compile.
+      cache: a dict of compiled candidates to read and fill, shared between calls with the same
+        model, loss, batch and optimizer (e.g. several budgets); by default each call compiles anew.
 
     Returns:
       a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is.
@@ -297,7 +303,7 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
     variables = _abstract(variables)
     traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(variables, *batch)
     blocks, _ = find_blocks(traced.jaxpr, type(model).__name__)
-    search = _Search(model, loss_fn, batch, variables, optimizer, target, progress)
+    search = _Search(model, loss_fn, batch, variables, optimizer, target, progress, cache)
     n = len(blocks)
     if progress:
         print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}", file=sys.stderr)
@@ -321,6 +327,9 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
     ranked = sorted((predicted(*a)[1], a) for a in assignments if predicted(*a)[0] <= limit and a not in search.cache)
     for _, (choices, rest) in ranked[:verify]:
         search.measure(blocks, choices, rest)
+    for (target_, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
+        if target_ == target and len(key[0]) == n:
+            search.cache.setdefault(tuple(key), entry)
     fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit]
     if not fitting:
         best = min((m for m, _ in search.cache.values()), key=lambda m: m.peak)

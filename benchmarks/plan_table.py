@@ -1,0 +1,135 @@
+"""The planner's table: ``bsr_jax.plan`` on ResMLP-S12, ViT-B/16, the 12x768 LM and ResNet-50, for
+H100 and TPU v5p, at budgets of 0.3, 0.5 and 0.7 of the dense step's compiled peak.
+
+Per plan: its compiled peak and modelled time as ratios to the dense step's on the same target,
+what it chose, and two baselines that fit the same budget: the fastest of JAX's own ``nn.remat``
+per block (default, ``dots_with_no_batch_dims_saveable``, ``dots_saveable``, offload; the rows of
+benchmarks/results/compiled_memory.json, the model as its authors would wrap it) and the fastest
+of the planner's own uniform remat candidates (the same policies through ``compress_model(remat=)``).
+Compiles are shared between the three budgets of a model and target; rows are written as they
+come, and rows already in the JSON are skipped, so an interrupted run resumes.
+
+    python -m benchmarks.plan_table --models resmlp-s12 --targets h100
+    python -m benchmarks.plan_table --table-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax.numpy as jnp
+import optax
+
+from benchmarks import compiled_memory as cm
+from benchmarks.run_info import footer, run_metadata
+from bsr_jax import planner
+
+BUDGETS = (0.3, 0.5, 0.7)
+REMAT_SETTINGS = ("remat", "remat-dots", "remat-dots-all", "remat-offload")
+
+
+def _loss_fn(module, variables, x, y):
+    stats = [k for k in variables if k != "params"]
+    out = module.apply(variables, x, mutable=stats) if stats else module.apply(variables, x)
+    logits = out[0] if stats else out
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+
+def _batch(shape):
+    tokens = len(shape) == 2
+    x = cm.jax.ShapeDtypeStruct(shape, jnp.int32 if tokens else jnp.float32)
+    return x, cm.jax.ShapeDtypeStruct(shape if tokens else shape[:1], jnp.int32)
+
+
+def _jax_remat(rows, name, target, limit_ratio):
+    """The fastest nn.remat-per-block row of compiled_memory.json within the budget: (setting, peak ratio, time ratio)."""
+    by = {r["setting"]: r for r in rows if r["model"] == name and r["target"] == target and "modelled_seconds" in r}
+    if "dense" not in by:
+        return None
+    dense = by["dense"]
+    fits = [(by[s]["modelled_seconds"] / dense["modelled_seconds"], by[s]["peak_mib"] / dense["peak_mib"], s)
+            for s in REMAT_SETTINGS if s in by and by[s]["peak_mib"] <= limit_ratio * dense["peak_mib"]]  # fmt: skip
+    return min(fits) if fits else ("none fits", None, None)
+
+
+def measure(name, target, budgets, options, cache, remat_rows):
+    """Yields one row per budget, as each plan is made."""
+    model, shape, _, context = cm.MODELS[name]("dense")
+    x, y = _batch(shape)
+    with context:
+        for budget in budgets:
+            start = time.time()
+            try:
+                p = planner.plan(model, _loss_fn, x, y, optimizer=optax.adamw(1e-3), budget=budget, target=target,
+                                 options=options, cache=cache)  # fmt: skip
+            except ValueError as e:
+                yield dict(model=name, target=target, budget=budget, error=str(e))
+                continue
+            uniform_remat = [m for m in p.tried if set(v for k, v in m.choices.items() if k != planner.REST) <= set(REMAT_SETTINGS)
+                             and len(set(m.choices.values()) - {"keep"}) == 1 and m.peak <= p.budget]  # fmt: skip
+            best_uniform = min(uniform_remat, key=lambda m: m.seconds, default=None)
+            jax_remat = _jax_remat(remat_rows, name, target, budget)
+            print(p, file=sys.stderr)
+            yield dict(
+                model=name, target=target, budget=budget, peak_ratio=p.peak / p.dense.peak, time_ratio=p.modelled_seconds / p.dense.seconds,
+                peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3, dense_mib=p.dense.peak / 2**20, dense_ms=p.dense.seconds * 1e3,
+                chosen=planner._label([p.choices[b] for b in p.choices if b != planner.REST], p.choices[planner.REST]),
+                compiles=len(p.tried), seconds=time.time() - start, options=list(options),
+                uniform_remat=None if best_uniform is None else dict(
+                    label=planner._label([best_uniform.choices[b] for b in best_uniform.choices if b != planner.REST], best_uniform.choices[planner.REST]),
+                    peak_ratio=best_uniform.peak / p.dense.peak, time_ratio=best_uniform.seconds / p.dense.seconds),
+                jax_remat=None if jax_remat is None else dict(setting=jax_remat[2] or jax_remat[0], time_ratio=jax_remat[0] if jax_remat[1] else None,
+                                                              peak_ratio=jax_remat[1]),
+            )  # fmt: skip
+
+
+def table(rows):
+    lines = ["| model | target | budget | plan peak | plan time | chosen | nn.remat best within budget (peak / time) | uniform remat via compress_model (peak / time) | compiles |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["budget"])):
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | - | - | {r['error'][:120]} | | | |")
+            continue
+        j, u = r["jax_remat"], r["uniform_remat"]
+        jt = "-" if j is None else (j["setting"] if j["time_ratio"] is None else f"{j['setting']}: {j['peak_ratio']:.2f} / {j['time_ratio']:.2f}")
+        ut = "none fits" if u is None else f"{u['label'].split(',')[0]}: {u['peak_ratio']:.2f} / {u['time_ratio']:.2f}"
+        lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | {r['peak_ratio']:.2f} | {r['time_ratio']:.2f} | {r['chosen']} | {jt} | {ut} | {r['compiles']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(cm.MODELS), default=list(cm.MODELS))
+    parser.add_argument("--targets", nargs="+", choices=cm.DEVICELESS_TARGETS, default=list(cm.DEVICELESS_TARGETS))
+    parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
+    parser.add_argument("--options", nargs="+", choices=list(planner.OPTIONS), default=list(planner.OPTIONS))
+    parser.add_argument("--out", default="benchmarks/results/plan_table.json")
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args(argv)
+    saved = json.load(open(args.out)) if os.path.exists(args.out) else {"rows": []}
+    if not args.table_only:
+        meta = run_metadata()
+        remat_path = "benchmarks/results/compiled_memory.json"
+        remat_rows = json.load(open(remat_path))["runs"] if os.path.exists(remat_path) else []
+        for name in args.models:
+            for target in args.targets:
+                todo = [b for b in args.budgets if not any(r["model"] == name and r["target"] == target and r["budget"] == b for r in saved["rows"])]
+                if not todo:
+                    continue
+                print(f"{name} {target} budgets {todo} ...", file=sys.stderr, flush=True)
+                for row in measure(name, target, todo, tuple(args.options), {}, remat_rows):
+                    row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
+                    saved["rows"].append(row)
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    with open(args.out, "w") as f:
+                        json.dump(saved, f, indent=1)
+        print(footer(meta))
+    print(table(saved["rows"]))
+
+
+if __name__ == "__main__":
+    main()
