@@ -261,10 +261,10 @@ def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx
 def _modes(lean: bool | Sequence[tuple[str, bool]], remat: Sequence[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
     """``lean_graph`` mode rules from ``compress_model``'s ``lean`` and ``remat``, checked."""
     modes: list[tuple[str, Any]] = []
-    for pattern, policy in remat:
-        if not isinstance(pattern, str) or not (policy is None or callable(policy)):
-            raise ValueError(f"remat must be (pattern, jax.checkpoint policy or None) pairs, got {(pattern, policy)!r}")
-        modes.append((pattern, lean_graph.Remat(policy)))
+    for rule in remat:
+        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or callable(rule[1]))):
+            raise ValueError(f"remat must be (pattern, jax.checkpoint policy or None) pairs, got {rule!r}")
+        modes.append((rule[0], lean_graph.Remat(rule[1])))
     if lean is False and modes:
         modes.append(("*", False))  # remat only: every other module as traced
     if not isinstance(lean, bool):

@@ -108,7 +108,8 @@ def _walk(jaxpr: Any, scale: int = 1) -> Any:
 
 def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
     """The repeated blocks of a traced model: ``(paths, scanned)``. Siblings whose names differ
-    only in a trailing number (``MixerBlock_3``, ``h/7``) form a group; the group whose equations
+    only in a trailing number (``MixerBlock_3``, ``h/7``) and that have submodules form a group;
+    the group whose equations
     count most (times the trip count of the loops they run in) wins; a ``nn.scan``'s layer (the
     common module of its body's equations) counts as one block run ``length`` times."""
     weight: dict[str, int] = {}
@@ -130,7 +131,10 @@ def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
         stem = re.sub(r"_?\d+$", "", name)
         if stem != name:
             groups.setdefault((parent, stem), []).append(path)
-    candidates = [(sum(weight[p] for p in paths), tuple(sorted(paths, key=_natural)), False) for paths in groups.values() if len(paths) > 1]
+    # A block has submodules of its own: a row of single layers (Dense_0, Dense_1) is not a block.
+    composite = {path.rpartition("/")[0] for path in weight}
+    candidates = [(sum(weight[p] for p in paths), tuple(sorted(paths, key=_natural)), False)
+                  for paths in groups.values() if len(paths) > 1 and all(p in composite for p in paths)]  # fmt: skip
     candidates += [(weight.get(path, 0), (path,), True) for path in scans]
     if not candidates:
         raise ValueError("plan: found no repeated blocks (siblings named name_0, name_1, ... or a nn.scan's layer) in the model")
@@ -256,7 +260,8 @@ def _label(choices: Sequence[str], rest: str) -> str:
 
 
 def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
-         budget: int | float | str, target: str = "h100", options: Sequence[str] = tuple(OPTIONS), verify: int = 3,
+         budget: int | float | str, target: str = "h100", options: Sequence[str] = tuple(OPTIONS),
+         rest_options: Sequence[str] = REST_OPTIONS, verify: int = 3,
          variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
          cache: dict | None = None) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
@@ -271,6 +276,8 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
         dense step's compiled peak on ``target``.
       target: ``"h100"`` or ``"tpu-v5p"`` (deviceless; see ``bsr_jax.compiled_memory``).
       options: names from ``OPTIONS`` the blocks may take (``EXACT``: only exact ones); ``"keep"``
+        is always included.
+      rest_options: what everything outside the blocks may take (``REST_OPTIONS``); ``"keep"``
         is always included.
       verify: how many mixed assignments, best predicted first, are compiled.
       variables: the model's variables (arrays or ``ShapeDtypeStruct``s); default: the abstract
@@ -292,6 +299,9 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
     unknown = [o for o in options if o not in OPTIONS]
     if unknown:
         raise ValueError(f"options {unknown} unknown; choose from {tuple(OPTIONS)}")
+    unknown = [o for o in rest_options if o not in REST_OPTIONS]
+    if unknown:
+        raise ValueError(f"rest_options {unknown} unknown; choose from {REST_OPTIONS}")
     if not isinstance(verify, int) or verify < 0:
         raise ValueError(f"verify must be an int >= 0, got {verify!r}")
     if not isinstance(model, nn.Module):
@@ -314,7 +324,7 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
     remat = search.measure(blocks, ["remat"] * n, "keep")
     smallest = min(names, key=lambda name: uniform[name].peak)
     rest_delta = {"keep": (0, 0.0)}
-    for rest in REST_OPTIONS[1:]:
+    for rest in dict.fromkeys(rest_options).keys() - {"keep"}:
         m = search.measure(blocks, [smallest] * n, rest)
         rest_delta[rest] = (m.peak - uniform[smallest].peak, m.seconds - uniform[smallest].seconds)
 

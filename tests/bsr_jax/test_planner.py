@@ -1,0 +1,150 @@
+"""The planner (bsr_jax.plan) and what it builds on: compress_model's remat and lean rules by path."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import bsr_jax
+from bsr_jax import Rule, planner
+
+
+class Block(nn.Module):
+    width: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x)))
+        return x + nn.Dense(self.width)(h)
+
+
+class ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return Block()(x), None
+
+
+class Net(nn.Module):
+    """A residual MLP as users write it: a stem, blocks in a Python loop (``blocks_i``) or under
+    ``nn.scan`` (``layers``), a head."""
+
+    depth: int = 4
+    scan: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64)(x)
+        if self.scan:
+            layers = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth)
+            x, _ = layers(name="layers")(x, None)
+        else:
+            for i in range(self.depth):
+                x = Block(name=f"blocks_{i}")(x)
+        return nn.Dense(10)(x)
+
+
+X = jax.random.normal(jax.random.key(0), (256, 32))
+
+
+def _loss(module):
+    return lambda v: jnp.mean(module.apply(v, X) ** 2)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_by_path_is_exact_and_keeps_less(scan):
+    net = Net(scan=scan)
+    v = net.init(jax.random.key(1), X)
+    remat = bsr_jax.compress_model(net, Rule("*", None), lean=False, remat=[("blocks_*", None), ("layers", None)])
+    plain = bsr_jax.compress_model(net, Rule("*", None), lean=[("*", False)])
+    chex.assert_trees_all_equal(remat.apply(v, X), net.apply(v, X))
+    chex.assert_trees_all_close(jax.grad(_loss(remat))(v), jax.grad(_loss(net))(v), rtol=1e-5, atol=1e-7)
+    kept = {name: bsr_jax.residual_bytes(_loss(m), v).total for name, m in (("dense", net), ("remat", remat), ("plain", plain))}
+    assert kept["remat"] < kept["dense"] / 3
+    # Lean off everywhere: what plain autodiff keeps (give or take a scalar).
+    assert kept["dense"] - 64 <= kept["plain"] <= kept["dense"]
+
+
+def test_remat_of_some_blocks_keeps_between_none_and_all():
+    net = Net()
+    v = net.init(jax.random.key(1), X)
+    kept = [bsr_jax.residual_bytes(_loss(bsr_jax.compress_model(net, Rule("*", None), lean=False, remat=[(p, None)])), v).total
+            for p in ("nothing", "blocks_[01]", "blocks_*")]  # fmt: skip
+    assert kept[0] > kept[1] > kept[2]
+
+
+@pytest.mark.parametrize("kwargs", [dict(remat=[("blocks_*", "none")]), dict(remat=["blocks_*"]), dict(remat=[("a", None, 1)]), dict(lean=[("*", 1)]), dict(lean=["*"])])
+def test_bad_remat_and_lean_rules_are_named(kwargs):
+    with pytest.raises(ValueError, match="remat must be|lean must be"):
+        bsr_jax.compress_model(Net(), Rule("*", None), **kwargs)
+
+
+@pytest.mark.parametrize("budget,expected", [(0.5, ("fraction", 0.5)), ("0.25", ("fraction", 0.25)), ("12GiB", ("bytes", 12 * 2**30)),
+                                             ("800MB", ("bytes", 8e8)), (2**30, ("bytes", 2**30)), ("1e9", ("bytes", 1e9))])  # fmt: skip
+def test_budget_forms(budget, expected):
+    assert planner.parse_budget(budget) == expected
+
+
+@pytest.mark.parametrize("budget", [0, 0.0, 1.5, -3, True, "x", "12 parsecs", "0", None])
+def test_bad_budgets_are_named(budget):
+    with pytest.raises(ValueError, match="budget must be"):
+        planner.parse_budget(budget)
+
+
+@pytest.mark.parametrize("scan,expected", [(False, ("blocks_0", "blocks_1", "blocks_2", "blocks_3")), (True, ("layers",))])
+def test_blocks_are_found_in_loops_and_scans(scan, expected):
+    net = Net(scan=scan)
+    v = net.init(jax.random.key(1), X)
+    assert planner.find_blocks(jax.make_jaxpr(_loss(net))(v).jaxpr, "Net") == (expected, scan)
+
+
+def test_a_model_without_repeated_blocks_is_named():
+    mlp = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
+    v = mlp.init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        planner.find_blocks(jax.make_jaxpr(_loss(mlp))(v).jaxpr, "Sequential")
+
+
+def _labels_loss(module, variables, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(module.apply(variables, x), y).mean()
+
+
+BATCH = (jax.ShapeDtypeStruct((16384, 32), jnp.float32), jax.ShapeDtypeStruct((16384,), jnp.int32))
+# One option, the rest kept and one mixed candidate: three compiles per target.
+FEW = dict(options=("remat",), rest_options=("keep",), verify=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return {}  # compiled candidates, shared by this module's plans (same model, loss, batch, optimizer)
+
+
+@pytest.mark.parametrize("target", ["h100", "tpu-v5p"])
+def test_plan_fits_its_budget_and_keeps_the_model(target, compiled):
+    net = Net()
+    plan = planner.plan(net, _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.6, target=target, cache=compiled, **FEW)
+    assert plan.peak <= plan.budget == int(0.6 * plan.dense.peak)
+    assert plan.peak == plan.compiled.peak and plan.modelled_seconds == plan.compiled.modelled_seconds
+    assert set(plan.choices.values()) <= {"keep", *FEW["options"]} and plan.choices.keys() >= {"blocks_0", planner.REST}
+    # Fastest among what was compiled within the budget.
+    assert plan.modelled_seconds == min(m.seconds for m in plan.tried if m.peak <= plan.budget)
+    x = jax.random.normal(jax.random.key(2), (8, 32))
+    v = net.init(jax.random.key(1), x)
+    chex.assert_trees_all_equal_structs(plan.model.init(jax.random.key(1), x), v)
+    np.testing.assert_array_equal(plan.model.apply(v, x), net.apply(v, x))
+    assert "remat per block" in str(plan) and "blocks_0" in str(plan)
+
+
+def test_an_infeasible_budget_names_the_smallest_peak(compiled):
+    with pytest.raises(ValueError, match=r"no candidate fits the budget of 0 MiB on h100; the smallest compiled peak was [\d,]+ MiB"):
+        planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1KiB", target="h100", cache=compiled, **FEW)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(target="a100"), "target must be"), (dict(options=("fast",)), "options"), (dict(rest_options=("remat",)), "rest_options"),
+                                          (dict(verify=-1), "verify must be"), (dict(budget="lots"), "budget must be")])  # fmt: skip
+def test_bad_arguments_are_named(kwargs, match):
+    args = dict(optimizer=optax.adamw(1e-3), budget=0.5) | kwargs
+    with pytest.raises(ValueError, match=match):
+        planner.plan(Net(), _labels_loss, *BATCH, **args)
