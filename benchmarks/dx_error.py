@@ -20,6 +20,11 @@ path (``[(path, fmt), ..., ("*", None)]``):
 * ``all``: ``dx=fmt``, every recognised segment;
 * ``none``: ``dx=[("*", None)]``, lean neighbours only: the float-reassociation floor.
 
+Columns: ``paths``, the module paths the kind's rules name (a segment's path: the module whose
+own computation it is); ``codes``, the int8 arrays the backward pass keeps with those rules in
+int8 (the stored dx inputs, from ``jax.vjp``'s residuals); ``input``, the input-gradient error;
+``params``, parameter leaves dx changes / all; ``p.min`` / ``p.median`` / ``p.max`` (below).
+
 The kinds are found by tracing the model once with ``dx=fmt`` and reading, for every segment that
 stores an input in ``fmt``, its module path and the primitives it differentiates; the segments and
 the arrays they store are listed in the JSON. Reported against plain autodiff of the unmodified
@@ -186,6 +191,14 @@ def gradients(model: nn.Module, params: Any, x: jax.Array, loss: Callable, embed
     return jax.jit(jax.grad(f, argnums=(0, 1)))(params, jnp.zeros((*x.shape, width), jnp.float32))
 
 
+def kept_codes(model: nn.Module, params: Any, x: jax.Array, loss: Callable, dx: Any) -> int:
+    """How many int8 arrays the backward pass keeps (the residuals of ``jax.vjp``, run op by op):
+    with ``Rule("*", None)`` and ``dx`` in int8, the stored dx inputs, each counted once."""
+    compressed = compress_model(model, Rule("*", None), dx=dx)
+    _, vjp = jax.vjp(lambda p: loss(compressed.apply(p, x)), params)
+    return sum(1 for r in jax.tree.leaves(vjp) if getattr(r, "dtype", None) == jnp.int8)
+
+
 def relative(g: Any, w: Any) -> float:
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
     return float(np.linalg.norm(g - w) / np.linalg.norm(w))
@@ -240,12 +253,12 @@ def third_party(names: list[str], rows: list[dict], detail: dict) -> None:
         if mixed:
             print(f"# {name}: module paths with segments of several kinds (their rule turns all on): {mixed}", file=sys.stderr)
         detail[name] = dict(segments=found)
+        codes = {kind: kept_codes(model, params, x, loss, kind_rules(found, kind, "int8")) for kind in KINDS}
         for fmt in FORMATS:
             for kind in KINDS:
                 dx = kind_rules(found, kind, fmt)
-                segments = [s for s in found if kind == "all" or s["kind"] == kind] if kind != "none" else []
-                row = dict(data="synthetic", model=name, dx=fmt, kind=kind, segments=len(segments),
-                           stored=sum(len(s["stored"]) for s in segments))  # fmt: skip
+                paths = {s["path"] for s in found if kind == "all" or s["kind"] == kind} if kind != "none" else set()
+                row = dict(data="synthetic", model=name, dx=fmt, kind=kind, paths=len(paths), codes=codes[kind])
                 if dx is None:  # nothing of this kind is stored in the dx format: exact
                     rows.append(dict(row, input=None, leaves=0, affected=0, min=None, median=None, max=None, worst="(not applied)"))
                     _print(rows[-1])
@@ -301,7 +314,7 @@ def cifar(args, rows: list[dict], detail: dict) -> None:
             summaries = [summary(e) for e in per_batch]
             worst = max(summaries, key=lambda s: s["max"])
             row = dict(data=f"cifar10 test, {len(batches)} x {args.batch_size}", model=f"resmlp/{label}", dx=fmt, kind="act",
-                       segments=preset["depth"], stored=preset["depth"], input=statistics.mean(s["input"] for s in summaries),
+                       paths=preset["depth"], codes=preset["depth"], input=statistics.mean(s["input"] for s in summaries),
                        leaves=summaries[0]["leaves"], affected=max(s["affected"] for s in summaries), min=statistics.mean(s["min"] for s in summaries),
                        median=statistics.mean(s["median"] for s in summaries), max=worst["max"], worst=worst["worst"])  # fmt: skip
             rows.append(row)
@@ -311,7 +324,7 @@ def cifar(args, rows: list[dict], detail: dict) -> None:
 
 # ---- output ----
 
-HEADER = (f"{'model':<12} {'dx':<5} {'kind':<5} {'segs':>4} {'arrays':>6} {'input':>8} {'params':>7} {'p.min':>8} {'p.median':>8} "
+HEADER = (f"{'model':<15} {'dx':<5} {'kind':<5} {'paths':>5} {'codes':>5} {'input':>8} {'params':>7} {'p.min':>8} {'p.median':>8} "
           f"{'p.max':>8}  worst parameter")
 
 
@@ -321,7 +334,7 @@ def _cell(v: float | None) -> str:
 
 def _print(row: dict) -> None:
     params = f"{row['affected']}/{row['leaves']}"
-    print(f"{row['model']:<12} {row['dx']:<5} {row['kind']:<5} {row['segments']:>4} {row['stored']:>6} {_cell(row['input'])} {params:>7} {_cell(row['min'])} "
+    print(f"{row['model']:<15} {row['dx']:<5} {row['kind']:<5} {row['paths']:>5} {row['codes']:>5} {_cell(row['input'])} {params:>7} {_cell(row['min'])} "
           f"{_cell(row['median'])} {_cell(row['max'])}  {row['worst']}", flush=True)  # fmt: skip
 
 
