@@ -15,10 +15,15 @@ from bsr_jax import dx, losses, presets, quantize, roofline, schedules, sensitiv
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
 from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.compiled import CompiledStep, compiled_memory
+from bsr_jax import planner
+from bsr_jax.planner import Plan, plan
 from bsr_jax.memory import CompiledMemory, ResidualBytes, program_order_peak, remat_policy, residual_bytes
 
 __all__ = [
     "compress_model",
+    "plan",
+    "Plan",
+    "planner",
     "Conv",
     "Pooling",
     "dx",

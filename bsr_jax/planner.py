@@ -309,7 +309,7 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
     batch = _abstract(example_batch)
     if variables is None:
         args = _abstract(tuple(init_args) if init_args is not None else batch[:1])
-        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *(jax.numpy.zeros(a.shape, a.dtype) for a in args)))
+        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)))
     variables = _abstract(variables)
     traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(variables, *batch)
     blocks, _ = find_blocks(traced.jaxpr, type(model).__name__)

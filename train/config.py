@@ -22,8 +22,8 @@ from typing import Any, Literal
 from train import run_dir
 # The option lists are re-exported: callers and tests find every flag's allowed values here.
 from train.options import (  # noqa: F401
-    AUGMENTS, BACKENDS, COMPRESSIONS, CRITERIA, DATASETS, DTYPES, DX_FORMATS, HELP, MODELS, OPTIMIZERS, POOLING_FACTORS,
-    RESMLP_MODELS, RESMLP_ONLY, RESNET_MODELS, RESUME_OVERRIDES, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES,
+    AUGMENTS, BACKENDS, COMPRESSIONS, CRITERIA, DATASETS, DTYPES, DX_FORMATS, HELP, MODELS, OPTIMIZERS, PLAN_TARGETS,
+    POOLING_FACTORS, RESMLP_MODELS, RESMLP_ONLY, RESNET_MODELS, RESUME_OVERRIDES, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES,
     STORAGE_DTYPES,
 )
 
@@ -104,6 +104,9 @@ class TrainConfig:
     layer_sparsity: tuple[tuple[str, float], ...] = ()
     # Approximate input gradients (bsr_jax.dx): the GELU input stored in this format.
     dx: Literal["int8", "int4"] | None = None
+    # The planner (train.planning): a memory budget for the step on a target accelerator.
+    memory_budget: str | None = None
+    target: Literal["h100", "tpu-v5p"] = "h100"
     # Optimisation.
     optimizer: Literal["adamw", "lamb"] = "adamw"
     lr: float = 1e-3
@@ -136,6 +139,12 @@ class TrainConfig:
             "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
             "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
             "dx": (self.dx in (None, *DX_FORMATS), f"None or one of {DX_FORMATS}"),
+            "memory_budget": (
+                self.memory_budget is None
+                or not (self.sparsity or self.storage_dtype or self.dx or self.stochastic or self.layer_sparsity or self.compression),
+                "None, or without --sparsity/--storage-dtype/--dx/--stochastic/--layer-sparsity/--compression (the plan chooses them)",
+            ),
+            "target": (self.target in PLAN_TARGETS, f"one of {PLAN_TARGETS}"),
             "rounding": (
                 self.rounding == "nearest" or (self.rounding in ROUNDINGS and self.storage_dtype in STOCHASTIC_ROUNDING_DTYPES and self.compression is None),
                 f"one of {ROUNDINGS}; 'stochastic' needs --storage-dtype {' or '.join(STOCHASTIC_ROUNDING_DTYPES)} and no --compression",
@@ -280,6 +289,7 @@ def build_parser(
         "selection": SELECTIONS,
         "storage_dtype": STORAGE_DTYPES,
         "dx": DX_FORMATS,
+        "target": PLAN_TARGETS,
         "rounding": ROUNDINGS,
         "backend": BACKENDS,
         "compression": COMPRESSIONS,

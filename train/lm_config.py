@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from train import run_dir
 from train.config import InvalidSetting, UsageError, _HelpFormatter, _layer_rule, _Parser  # noqa: F401  (UsageError: re-exported)
-from train.options import BACKENDS, CRITERIA, DTYPES, DX_FORMATS, ROUNDINGS, SELECTIONS, STOCHASTIC_ROUNDING_DTYPES, STORAGE_DTYPES
+from train.options import (BACKENDS, CRITERIA, DTYPES, DX_FORMATS, HELP as IMAGE_HELP, PLAN_TARGETS, ROUNDINGS, SELECTIONS,
+                           STOCHASTIC_ROUNDING_DTYPES, STORAGE_DTYPES)  # fmt: skip
 
 # train.lm_model.PRESETS' and train.lm_data.TOKENIZERS' names, repeated to stay JAX-free (a test keeps them equal).
 LM_MODELS = ("cpu", "gpt2-small", "1b")
@@ -61,6 +62,9 @@ class LMConfig:
     # Approximate input gradients (bsr_jax.dx): what norms, SwiGLU and attention keep for their
     # backward (their inputs, q/k/v) stored in this format; None: exact.
     dx: Literal["int8", "int4"] | None = None
+    # The planner (train.planning): a memory budget for the step on a target accelerator.
+    memory_budget: str | None = None
+    target: Literal["h100", "tpu-v5p"] = "h100"
     # Optimisation.
     lr: float = 3e-3
     min_lr: float = 3e-5
@@ -111,6 +115,12 @@ class LMConfig:
                 f"None or one of {DX_FORMATS}, with --lean (compress_model's lean pass stores what it keeps)",
             ),
             "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
+            "memory_budget": (
+                self.memory_budget is None
+                or not (self.sparsity or self.storage_dtype or self.dx or self.stochastic or self.layer_sparsity or self.remat),
+                "None, or without --sparsity/--storage-dtype/--dx/--stochastic/--layer-sparsity/--remat (the plan chooses them)",
+            ),
+            "target": (self.target in PLAN_TARGETS, f"one of {PLAN_TARGETS}"),
             "lr": (self.lr > 0, "> 0"),
             "min_lr": (self.min_lr >= 0, ">= 0"),
             "weight_decay": (self.weight_decay >= 0, ">= 0"),
@@ -193,6 +203,8 @@ HELP = {
     "'layer_*/mlp/down' or, with --scan, 'layers/mlp/*') use sparsity VALUE; first match wins",
     "dx": f"approximate input gradients: store what the backward of every norm, SwiGLU and attention reads (their inputs, "
     f"q/k/v) in one of {', '.join(DX_FORMATS)} (per-row scales every 128 values; bsr_jax.dx); default exact",
+    "memory_budget": IMAGE_HELP["memory_budget"].replace("--dx", "--dx/--remat"),
+    "target": IMAGE_HELP["target"],
     "lr": "peak learning rate (AdamW, b2 0.95)",
     "min_lr": "final learning rate of the cosine decay",
     "weight_decay": "AdamW weight decay, on kernels and embeddings (not on norm scales)",
@@ -212,7 +224,8 @@ HELP = {
 }
 
 _CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "dtype": DTYPES, "criterion": CRITERIA, "selection": SELECTIONS,
-            "backend": BACKENDS, "storage_dtype": STORAGE_DTYPES, "rounding": ROUNDINGS, "dx": DX_FORMATS}  # fmt: skip
+            "backend": BACKENDS, "storage_dtype": STORAGE_DTYPES, "rounding": ROUNDINGS, "dx": DX_FORMATS,
+            "target": PLAN_TARGETS}  # fmt: skip
 _NOT_GIVEN = object()
 
 

@@ -31,7 +31,7 @@ import optax
 
 import bsr_jax
 from bsr_jax.schedules import warmup_fraction
-from train import lm_data, metrics, progress, run_dir, sharding, stopping
+from train import lm_data, metrics, planning, progress, run_dir, sharding, stopping
 from train.checkpoint import Checkpoints
 from train.data import prefetch
 from train.lm_config import LMConfig, UsageError
@@ -199,6 +199,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         conflicts = config.resume_conflicts(LMConfig.from_json(saved["config"]))
         if conflicts:
             raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
+    planning.check_budget(config.memory_budget, UsageError)
     mesh = sharding.make_mesh()
     if config.batch_size % mesh.devices.size:
         raise UsageError(f"batch_size must be a multiple of the {mesh.devices.size} devices, got {config.batch_size}")
@@ -219,6 +220,12 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     tx = create_optimizer(config, schedule)
     model = create_model(config, shape)
     tokens_struct = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    planned = None
+    if config.memory_budget is not None:
+        example = {"tokens": jax.ShapeDtypeStruct((config.batch_size, seq_len + 1), jnp.int32)}
+        resumed = (saved or {}).get("run", {}).get("plan") if config.resume else None
+        model, planned = planning.planned_model(create_model(config, shape, compressed=False), lambda m: loss_function(m, config), example,
+                                                tx, tokens_struct, config.memory_budget, config.target, UsageError, resumed)  # fmt: skip
     try:  # compress_model resolves its rules at init: a --layer-sparsity typo fails here
         jax.eval_shape(model.init, jax.random.key(0), tokens_struct)
     except ValueError as error:
@@ -243,7 +250,8 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     rng_seed = config.seed if config.stochastic or config.rounding == "stochastic" else None
 
     def compile_step(level: float):
-        step_fn = make_train_step(loss_function(create_model(config, shape, level), config), tx, schedule, mesh, rng_seed)
+        level_model = model if planned else create_model(config, shape, level)
+        step_fn = make_train_step(loss_function(level_model, config), tx, schedule, mesh, rng_seed)
         return step_fn.lower(state, batch_struct).compile()
 
     previous_env = os.environ.get(bsr_jax.backends.ENV_VAR)
@@ -256,6 +264,8 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
             facts = dict(devices=mesh.devices.size, platform=jax.default_backend(), num_params=num_params, shape=dataclasses.asdict(shape),
                        tokens_per_step=config.batch_size * seq_len, steps_per_epoch=per_epoch, train_tokens=len(train_stream),
                        val_tokens=len(val_stream), val_windows=len(val_windows), corpus=corpus.describe())  # fmt: skip
+            if planned:
+                facts["plan"] = planned
             with open(run_dir.config_path(workdir), "w") as f:
                 json.dump({"config": config.to_json(), "run": facts}, f, indent=2)
         loss_fn = loss_function(model, config)

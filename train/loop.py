@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import data, metrics, progress, run_dir, sharding, stopping
+from train import data, metrics, planning, progress, run_dir, sharding, stopping
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
 from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
@@ -205,6 +205,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
         if conflicts:
             raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
     check_layer_rules(config)  # before the data: a typo should not wait for a download
+    planning.check_budget(config.memory_budget, UsageError)
     mesh = sharding.make_mesh()
     for name, size in (("batch_size", config.batch_size), ("eval_batch_size", config.eval_batch_size)):
         if size % mesh.devices.size:
@@ -241,8 +242,14 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     model = create_model(config, train_data.num_classes)
     schedule = learning_rate_schedule(config, steps_per_epoch)
     tx = create_optimizer(config, schedule)
-    loss_fn = loss_function(model, train_data.num_classes, config.label_smoothing, config.layer_sparsity)
     image_shape = (config.batch_size, config.image_size, config.image_size, 3)
+    planned = None
+    if config.memory_budget is not None:
+        example = {"image": jax.ShapeDtypeStruct(image_shape, jnp.float32), "label": jax.ShapeDtypeStruct(image_shape[:1], jnp.int32)}
+        loss_of = lambda m: loss_function(m, train_data.num_classes, config.label_smoothing)  # noqa: E731
+        resumed = (saved or {}).get("run", {}).get("plan") if config.resume else None
+        model, planned = planning.planned_model(model, loss_of, example, tx, example["image"], config.memory_budget, config.target, UsageError, resumed)
+    loss_fn = loss_function(model, train_data.num_classes, config.label_smoothing, config.layer_sparsity)
     state = create_state(model, tx, image_shape, config.seed, mesh)
     if config.resume and checkpoints.latest_step() is not None:
         state = checkpoints.restore(state)
@@ -257,7 +264,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     warmup_steps = round(config.sparsity_warmup_epochs * steps_per_epoch)
 
     def compile_step(level: float):
-        level_model = create_model(config, train_data.num_classes, level)
+        level_model = model if planned else create_model(config, train_data.num_classes, level)
         rules = scale_rules(config.layer_sparsity, level)
         level_loss = loss_function(level_model, train_data.num_classes, config.label_smoothing, rules)
         return make_train_step(level_loss, tx, schedule, mesh, rng_seed).lower(state, batch_struct).compile()
@@ -279,6 +286,8 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
             train_examples=len(train_data),
             test_examples=len(test_data),
         )
+        if planned:
+            run["plan"] = planned
         with open(run_dir.config_path(workdir), "w") as f:
             json.dump({"config": config.to_json(), "run": run}, f, indent=2)
     dense = dense_counterpart(config)

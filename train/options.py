@@ -24,6 +24,7 @@ CRITERIA = ("l2", "l1")
 SELECTIONS = ("global", "column")
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
 DX_FORMATS = ("int8", "int4")  # bsr_jax.dx.DX_FORMATS
+PLAN_TARGETS = ("h100", "tpu-v5p")  # bsr_jax.compiled.DEVICELESS_TARGETS
 ROUNDINGS = ("nearest", "stochastic")
 STOCHASTIC_ROUNDING_DTYPES = ("int8", "int4")
 BACKENDS = ("auto", "cpu", "xla", "pallas", "reference")
@@ -56,6 +57,10 @@ HELP = {
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
     "dx": f"approximate input gradients: store the GELU input, which GELU's exact backward needs, in one of {', '.join(DX_FORMATS)} "
           "(per-row scales every 128 values); default exact",
+    "memory_budget": "fit the training step into this budget at the least modelled time: bsr_jax.plan chooses per block "
+    "among exact, int8/int4 storage, top-k, approximate dx, remat policies and host offload, compiled for --target "
+    "(bytes like 12GiB, or a fraction of the dense step's peak like 0.5); leave --sparsity/--storage-dtype/--dx unset",
+    "target": f"the accelerator --memory-budget plans for, compiled deviceless ({', '.join(PLAN_TARGETS)})",
     "storage_dtype": f"store kept blocks in lower precision ({', '.join(STORAGE_DTYPES)}), dequantized in the backward pass",
     "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",
     "compression": "ResNet only: keep the window means of every convolution's input for its weight gradient, "
