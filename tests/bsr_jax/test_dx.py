@@ -161,3 +161,97 @@ def test_inputs_the_backward_does_not_read_are_not_kept():
     gx, gy = jax.grad(loss, argnums=(0, 1))(x, w)
     chex.assert_trees_all_equal(gy, jnp.ones_like(w))
     assert _relative(gx, jax.grad(lambda x: jnp.sum(_gelu(x)))(x)) < 0.02
+
+
+# ---- one test per approximation kind, on hand-written modules, against plain autodiff ----
+# Each model is Dense -> one module of a kind -> Dense, written as model libraries write them (no
+# flax norm, activation or attention): its only segment lean_graph gives dx is that module's own
+# computation. With dx on (``dx="int8"`` / ``"int4"``) every parameter gradient is within the bound
+# docs/memory.md gives for the kind and format, and differs from plain autodiff; with the module's
+# path turned off by a dx rule (every other module on) the gradients are plain autodiff's up to float
+# reassociation; and what the backward keeps of the module is its input(s) in int8 codes.
+
+import flax.linen as nn  # noqa: E402
+
+# docs/memory.md, "Approximate dx": the bound on any gradient's relative error, per kind and format
+# (benchmarks/dx_error.py and these modules measured at most about half of each).
+DX_BOUND = {"norm": {"int8": 0.02, "int4": 0.25}, "swiglu": {"int8": 0.02, "int4": 0.25}, "attention": {"int8": 0.05, "int4": 0.6}}
+
+
+class _RMSNorm(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        weight = self.param("weight", nn.initializers.ones, (h.shape[-1],))
+        return weight * h * jax.lax.rsqrt(jnp.mean(h**2, axis=-1, keepdims=True) + 1e-6)
+
+
+class _SwiGLU(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, h):
+        gate, up = nn.Dense(self.hidden, name="gate")(h), nn.Dense(self.hidden, name="up")(h)
+        return nn.Dense(h.shape[-1], name="down")(jax.nn.silu(gate) * up)
+
+
+class _EinsumAttention(nn.Module):
+    heads: int
+
+    @nn.compact
+    def __call__(self, h):
+        b, t, d = h.shape
+        q, k, v = (nn.Dense(d, name=n)(h).reshape(b, t, self.heads, d // self.heads) for n in ("q", "k", "v"))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(d // self.heads))
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return nn.Dense(d, name="o")(out.reshape(b, t, d))
+
+
+_KINDS = {
+    "norm": (lambda: _RMSNorm(name="norm"), 1),  # the norm's input
+    "swiglu": (lambda: _SwiGLU(256, name="mlp"), 2),  # gate and up
+    "attention": (lambda: _EinsumAttention(4, name="attn"), 3),  # q, k, v
+}
+
+
+class _Net(nn.Module):
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(128, name="inp")(x)
+        return nn.Dense(8, name="out")(_KINDS[self.kind][0]()(h))
+
+
+def _kind_case(kind):
+    model = _Net(kind)
+    x = jax.random.normal(jax.random.key(0), (2, 32, 64))
+    params = model.init(jax.random.key(1), x)
+    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape), params)
+    target = jax.random.normal(jax.random.key(3), (2, 32, 8))
+    loss = lambda m: (lambda p: jnp.mean((m.apply(p, x) - target) ** 2))  # noqa: E731
+    return model, params, loss
+
+
+def _grad_errors(got, want):
+    # The key bias's exact gradient is zero up to rounding (softmax ignores a shift of every logit).
+    return [_relative(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)) if float(jnp.linalg.norm(w)) > 1e-6]
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+def test_each_kind_is_approximate_within_its_bound_and_exact_when_its_path_is_off(kind):
+    model, params, loss = _kind_case(kind)
+    rules = [bsr_jax.Rule("*", None)]
+    plain = jax.jit(jax.grad(loss(model)))(params)
+    name = {"norm": "norm", "swiglu": "mlp", "attention": "attn"}[kind]
+    for fmt, bound in DX_BOUND[kind].items():
+        approx = jax.jit(jax.grad(loss(bsr_jax.compress_model(model, rules, dx=fmt))))(params)
+        errors = _grad_errors(approx, plain)
+        assert 0 < max(errors) < bound, (fmt, errors)
+    # Off by a rule naming its path (every other module on): plain autodiff's, reassociated.
+    off = bsr_jax.compress_model(model, rules, dx=[(name, None), ("*", "int8")])
+    chex.assert_trees_all_close(jax.jit(jax.grad(loss(off)))(params), plain, rtol=1e-5, atol=1e-7)
+    # What the backward keeps of the module: its input(s) as int8 codes, nothing else of their size.
+    _, vjp = jax.vjp(loss(bsr_jax.compress_model(model, rules, dx="int8")), params)
+    codes = [r for r in jax.tree.leaves(vjp) if getattr(r, "dtype", None) == jnp.int8]
+    assert len(codes) == _KINDS[kind][1] and all(c.size == 2 * 32 * (128 if kind != "swiglu" else 256) for c in codes)
