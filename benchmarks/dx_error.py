@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -338,6 +339,23 @@ def _print(row: dict) -> None:
           f"{_cell(row['median'])} {_cell(row['max'])}  {row['worst']}", flush=True)  # fmt: skip
 
 
+def markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table, int8 and int4 side by side (docs/RESULTS.md section 9.2)."""
+    fmt = lambda v: "-" if v is None else f"{v:.4f}" if v >= 1e-4 else f"{v:.0e}"  # noqa: E731
+    stats = lambda r: "-" if r["input"] is None else f"{fmt(r['min'])} / {fmt(r['median'])} / {fmt(r['max'])}"  # noqa: E731
+    lines = ["| model | kind | paths | int8 codes | params changed | int8: input | int8: params min / median / max "
+             "| int4: input | int4: params min / median / max |", "|---" * 9 + "|"]  # fmt: skip
+    by_key = {(r["model"], r["kind"], r["dx"]): r for r in rows}
+    for (model, kind, dx), r in by_key.items():
+        if dx != "int8":
+            continue
+        r4 = by_key[(model, kind, "int4")]
+        changed = "-" if r["input"] is None else f"{max(r['affected'], r4['affected'])}/{r['leaves']}"
+        lines.append(f"| {model} | {kind} | {r['paths']} | {r['codes']} | {changed} | {fmt(r['input'])} | {stats(r)} "
+                     f"| {fmt(r4['input'])} | {stats(r4)} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/dx_error.json")
@@ -346,7 +364,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="*", default=list(EMBEDDING_FREE + tuple(EMBEDDING)), help="third-party models (default: all five)")
     parser.add_argument("--batches", type=int, default=4, help="CIFAR-10 test batches (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--markdown", action="store_true", help="print --out's rows as a markdown table; measure nothing")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.out) as f:
+            print(markdown(json.load(f)["rows"]))
+        return
     meta = run_metadata()
     rows: list[dict] = []
     detail: dict[str, Any] = {}
