@@ -26,7 +26,12 @@ recognising any name:
    look across a checkpoint's boundary;
 5. a ``scan`` (layers stacked with ``nn.scan``) is bound again with its body evaluated the same
    way, segment by segment (``_lean_scan``), so each layer keeps what it keeps in a Python loop of
-   layers; other control flow (``while``, ``cond``) runs as traced, inside its segment.
+   layers; other control flow (``while``, ``cond``) runs as traced, inside its segment;
+6. ``Treatment.modes`` (``compress_model``'s ``lean`` rules and ``remat``) change this by module
+   path: a module left as traced (no checkpoint: XLA keeps what it keeps), or a module and all its
+   submodules run under one ``jax.checkpoint`` with a JAX policy, as ``nn.remat`` would (inside a
+   ``scan``'s body, per layer). This is how ``bsr_jax.plan`` gives each block its own treatment
+   without editing the model.
 
 So each module keeps only what its exact backward needs from its inputs and its linear layers'
 outputs: a hand-written RMSNorm its input; ``silu(gate) * up`` the gate and up projections; einsum
