@@ -37,9 +37,9 @@ invariance makes zero up to rounding), the median and max, the number of leaves 
 the min over those.
 
 The same on real CIFAR-10 test batches for the tiny ResMLP of ``train/models.py`` (``dx`` on its
-GELU inputs, the only dx it has; plain Dense otherwise), at its init and, with ``--run``, at a
-trained checkpoint: errors per batch, the mean over ``--batches`` batches (max over batches for
-the parameters' max).
+GELU inputs, the only dx it has; plain Dense otherwise), at its init (``resmlp/init``) and, with
+``--run``, at a trained run's latest checkpoint (``resmlp/step<N>``): errors per batch, the mean
+over ``--batches`` batches (the worst batch for the parameters' max).
 
     nice -n 19 python -m benchmarks.dx_error --data-dir ../shared/data/cifar10-jpg.tar.gz \\
         --run runs/long/all-s0-b16-int4-dx8-seed0    # table on stdout, JSON in benchmarks/results/

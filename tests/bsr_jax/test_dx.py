@@ -3,6 +3,7 @@ autodiff's at the stored (int8/int4) inputs, within the formats' rounding; the c
 the stored codes instead of the input."""
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,8 +171,6 @@ def test_inputs_the_backward_does_not_read_are_not_kept():
 # docs/memory.md gives for the kind and format, and differs from plain autodiff; with the module's
 # path turned off by a dx rule (every other module on) the gradients are plain autodiff's up to float
 # reassociation; and what the backward keeps of the module is its input(s) in int8 codes.
-
-import flax.linen as nn  # noqa: E402
 
 # docs/memory.md, "Approximate dx": the bound on any gradient's relative error, per kind and format
 # (benchmarks/dx_error.py and these modules measured at most about half of each).
