@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+# Before jax starts: deviceless compiles need jax's CUDA plugin registered without its driver check.
+import bsr_jax  # noqa: F401  isort: skip
 import jax.numpy as jnp
 import optax
 
@@ -77,10 +79,10 @@ def measure(name, target, budgets, options, cache, remat_rows):
             yield dict(
                 model=name, target=target, budget=budget, peak_ratio=p.peak / p.dense.peak, time_ratio=p.modelled_seconds / p.dense.seconds,
                 peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3, dense_mib=p.dense.peak / 2**20, dense_ms=p.dense.seconds * 1e3,
-                chosen=planner._label([p.choices[b] for b in p.choices if b != planner.REST], p.choices[planner.REST]),
+                chosen=p.label,
                 compiles=len(p.tried), seconds=time.time() - start, options=list(options),
                 uniform_remat=None if best_uniform is None else dict(
-                    label=planner._label([best_uniform.choices[b] for b in best_uniform.choices if b != planner.REST], best_uniform.choices[planner.REST]),
+                    label=best_uniform.label,
                     peak_ratio=best_uniform.peak / p.dense.peak, time_ratio=best_uniform.seconds / p.dense.seconds),
                 jax_remat=None if jax_remat is None else dict(setting=jax_remat[2] or jax_remat[0], time_ratio=jax_remat[0] if jax_remat[1] else None,
                                                               peak_ratio=jax_remat[1]),

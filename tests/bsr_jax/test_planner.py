@@ -148,3 +148,12 @@ def test_bad_arguments_are_named(kwargs, match):
     args = dict(optimizer=optax.adamw(1e-3), budget=0.5) | kwargs
     with pytest.raises(ValueError, match=match):
         planner.plan(Net(), _labels_loss, *BATCH, **args)
+
+
+def test_only_the_options_given_are_chosen(compiled):
+    # remat fits 0.8 of dense's peak and is compiled (cached) for the plan's remat figure, but not allowed.
+    fits = planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.8, target="h100", cache=compiled, **FEW)
+    assert "remat" in fits.choices.values()
+    with pytest.raises(ValueError, match="no candidate fits"):
+        planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.8, target="h100", cache=compiled,
+                     **(FEW | dict(options=())))  # fmt: skip
