@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -68,9 +69,9 @@ SETTINGS = ("dense", "int4", "dense+chunk", "int4+chunk", "int8", "topk", "int4-
             "int8+chunk", "topk+chunk", "int4-dx8+chunk", "remat+chunk", "remat-dots+chunk")  # fmt: skip
 
 
-def config_of(model: str, setting: str, seq_len: int) -> LMConfig:
+def config_of(model: str, setting: str, seq_len: int, batch: int | None = None) -> LMConfig:
     base, _, chunk = setting.partition("+")
-    return LMConfig(model=model, seq_len=seq_len, batch_size=BATCH[model], dtype="bfloat16", loss_chunk=CHUNK if chunk else 0,
+    return LMConfig(model=model, seq_len=seq_len, batch_size=batch or BATCH[model], dtype="bfloat16", loss_chunk=CHUNK if chunk else 0,
                     **BASE[base])  # fmt: skip
 
 
@@ -109,17 +110,27 @@ def step_args(config: LMConfig):
     return step, (params, opt, tokens), shape
 
 
-def measure(model: str, setting: str, target: str, seq_len: int) -> dict:
-    config = config_of(model, setting, seq_len)
+# Ops of the head and the plain loss: the head's matmul, the logits' cast to f32 at the LM's top
+# level, log-softmax / logsumexp, the label gather (its gradient is take_along_axis' scatter-add).
+HEAD_OPS = re.compile(r"head/|take_along_axis|softmax|logsumexp|cross_entropy|[/(]LM(\.apply)?\)*/convert_element_type")
+
+
+def logits_sized(top: list[dict], logits_f32_bytes: float) -> list[str]:
+    """The ops among ``top`` (``{"op", "mib"}``) holding a logits-sized buffer: at least the
+    (B, T, V) array in bf16 (half the f32 logits), produced by the head or the loss (``HEAD_OPS``).
+    A size alone is not enough: one layer's f32 attention probabilities, or bsr_jax.dx's stored
+    codes of all layers summed under one op name, can be as large."""
+    return [b["op"] for b in top if b["mib"] * MIB >= logits_f32_bytes / 2 and HEAD_OPS.search(b["op"])]
+
+
+def measure(model: str, setting: str, target: str, seq_len: int, batch: int | None = None) -> dict:
+    config = config_of(model, setting, seq_len, batch)
     with layer_policy(setting):
         step, args, shape = step_args(config)
         r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True)
     logits_f32 = config.batch_size * shape.seq_len * shape.vocab_size * 4
     top = [{"op": b.op, "mib": b.bytes / MIB} for b in r.live_at_peak[:10]]
-    # Logits-sized: at least the (B, T, V) array in bf16 (half the f32 logits), produced outside
-    # the layers (the head, the loss and their gradients: e.g. take_along_axis' scatter-add); a
-    # layer's own buffers (one layer's f32 attention probabilities can be as large) do not count.
-    logits_in_top = [b["op"] for b in top if b["mib"] * MIB >= logits_f32 / 2 and "layer" not in b["op"]]
+    logits_in_top = logits_sized(top, logits_f32)
     return dict(model=model, setting=setting, target=target, batch=config.batch_size, seq_len=shape.seq_len,
                 vocab=shape.vocab_size, num_params=lm_model.num_params(shape), config=config.to_json(),
                 peak_mib=r.peak / MIB, temp_mib=r.temp / MIB, arguments_mib=r.arguments / MIB,
@@ -129,16 +140,16 @@ def measure(model: str, setting: str, target: str, seq_len: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    dense = {(r["model"], r["target"]): r for r in rows if r["setting"] == "dense"}
+    dense = {(r["model"], r["target"], r["batch"]): r for r in rows if r["setting"] == "dense"}
     lines = ["| model | target | setting | peak MiB | peak vs dense | modelled ms | time vs dense | logits-sized buffer in top 10 at peak |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    order = lambda r: (MODELS.index(r["model"]), DEVICELESS_TARGETS.index(r["target"]), SETTINGS.index(r["setting"]))  # noqa: E731
+    order = lambda r: (MODELS.index(r["model"]), r["batch"], DEVICELESS_TARGETS.index(r["target"]), SETTINGS.index(r["setting"]))  # noqa: E731
     for r in sorted(rows, key=order):
-        d = dense.get((r["model"], r["target"]))
+        d = dense.get((r["model"], r["target"], r["batch"]))
         ratio = lambda k: f"{r[k] / d[k]:.2f}x" if d and r.get(k) and d.get(k) else "-"  # noqa: E731
         ms = f"{r['modelled_seconds'] * 1e3:.1f}" if r.get("modelled_seconds") else "-"
         biggest = r["top10_at_peak"][0] if r["top10_at_peak"] else None
-        logits = "yes" if r["logits_in_top10"] else "no"
+        logits = "yes" if logits_sized(r["top10_at_peak"], r["logits_f32_mib"] * MIB) else "no"
         if biggest:
             logits += f" (largest: {biggest['mib']:.0f} MiB)"
         lines.append(f"| {r['model']} B={r['batch']} | {r['target']} | {r['setting']} | {r['peak_mib']:.0f} | {ratio('peak_mib')} | "
@@ -152,6 +163,7 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", nargs="+", choices=DEVICELESS_TARGETS, default=list(DEVICELESS_TARGETS))
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--seq-len", type=int, default=2048, help="T (default: %(default)s)")
+    parser.add_argument("--batch", type=int, help="B for every model (default: BATCH, 8 for both presets)")
     parser.add_argument("--out", default="benchmarks/results/lm_compiled.json")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
     parser.add_argument("--remeasure", action="store_true", help="measure the chosen rows again even where --out has them")
@@ -159,15 +171,15 @@ def main(argv=None) -> None:
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
     if not args.table_only:
         meta = run_metadata()
-        key = lambda r: (r["model"], r["setting"], r["target"], r["seq_len"])  # noqa: E731
+        key = lambda r: (r["model"], r["setting"], r["target"], r["seq_len"], r["batch"])  # noqa: E731
         done = set() if args.remeasure else {key(r) for r in saved["runs"]}
         for target in args.targets:
             for setting in args.settings:
                 for model in args.models:
-                    if (model, setting, target, args.seq_len) in done:
+                    if (model, setting, target, args.seq_len, args.batch or BATCH[model]) in done:
                         continue
-                    print(f"[lm_compiled] {model} {target} {setting} ...", file=sys.stderr, flush=True)
-                    row = measure(model, setting, target, args.seq_len)
+                    print(f"[lm_compiled] {model} B={args.batch or BATCH[model]} {target} {setting} ...", file=sys.stderr, flush=True)
+                    row = measure(model, setting, target, args.seq_len, args.batch)
                     row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
                     saved["runs"] = [r for r in saved["runs"] if key(r) != key(row)] + [row]
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
