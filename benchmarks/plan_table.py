@@ -11,6 +11,10 @@ come, and rows already in the JSON are skipped, so an interrupted run resumes.
 
     python -m benchmarks.plan_table --models resmlp-s12 --targets h100
     python -m benchmarks.plan_table --table-only
+
+"compiles": candidates compiled for that model and target so far (budgets share them); "search":
+the wall time of that budget's plan (the first budget of a model and target compiles the uniform
+candidates the others reuse).
 """
 
 from __future__ import annotations
@@ -90,16 +94,16 @@ def measure(name, target, budgets, options, cache, remat_rows):
 
 
 def table(rows):
-    lines = ["| model | target | budget | plan peak | plan time | chosen | nn.remat best within budget (peak / time) | uniform remat via compress_model (peak / time) | compiles |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| model | target | budget | plan peak | plan time | chosen | nn.remat best within budget (peak / time) | uniform remat via compress_model (peak / time) | compiles | search |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["budget"])):
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | - | - | {r['error'][:120]} | | | |")
+            lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | - | - | {r['error'][:120]} | | | | |")
             continue
         j, u = r["jax_remat"], r["uniform_remat"]
         jt = "-" if j is None else (j["setting"] if j["time_ratio"] is None else f"{j['setting']}: {j['peak_ratio']:.2f} / {j['time_ratio']:.2f}")
         ut = "none fits" if u is None else f"{u['label'].split(',')[0]}: {u['peak_ratio']:.2f} / {u['time_ratio']:.2f}"
-        lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | {r['peak_ratio']:.2f} | {r['time_ratio']:.2f} | {r['chosen']} | {jt} | {ut} | {r['compiles']} |")
+        lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | {r['peak_ratio']:.2f} | {r['time_ratio']:.2f} | {r['chosen']} | {jt} | {ut} | {r['compiles']} | {r['seconds'] / 60:.0f} min |")
     return "\n".join(lines)
 
 
