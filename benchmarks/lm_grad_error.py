@@ -1,0 +1,65 @@
+"""Relative weight-gradient error of ``train.lm``'s compressed settings at initialisation, per layer
+kind: a check that a setting's loss gap is not a systematic error (int8 must be far closer to dense
+than int4). One batch of random tokens, a small ``train.lm`` model (bf16 compute, as trained).
+
+    python -m benchmarks.lm_grad_error
+
+Error: ``||g - g_dense|| / ||g_dense||`` of each linear layer's kernel gradient, median over layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+from train.lm_config import LMConfig
+from train.lm_loop import create_model, loss_function, model_shape
+
+SETTINGS = {
+    "int8": dict(storage_dtype="int8", block=16),
+    "int4": dict(storage_dtype="int4", block=16),
+    "topk": dict(sparsity=0.7, block=16),
+    "int4-dx8": dict(storage_dtype="int4", block=16, dx="int8"),
+}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=512)
+    args = parser.parse_args(argv)
+    base = LMConfig(dim=args.dim, depth=args.depth, heads=4, seq_len=args.seq_len)
+    shape = model_shape(base, vocab_size=args.vocab)
+    tokens = jnp.zeros((1, args.seq_len), jnp.int32)
+    params = create_model(base, shape, compressed=False).init(jax.random.key(0), tokens)["params"]
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, args.vocab)}
+
+    def grads(config):
+        model = create_model(config, shape)
+        return jax.jit(jax.grad(lambda p: loss_function(model, config)(p, batch)[0]))(params)
+
+    dense = jax.tree_util.tree_flatten_with_path(grads(base))[0]
+    kinds = sorted({"/".join(k.key for k in path[1:-1]) for path, _ in dense if path[0].key.startswith("layer_") and path[-1].key == "kernel"})
+    print("| setting | " + " | ".join(kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for name, fields in SETTINGS.items():
+        got = jax.tree.leaves(grads(dataclasses.replace(base, **fields)))
+        errors: dict[str, list[float]] = {}
+        for (path, want), g in zip(dense, got):
+            if path[0].key.startswith("layer_") and path[-1].key == "kernel":
+                kind = "/".join(k.key for k in path[1:-1])
+                errors.setdefault(kind, []).append(float(jnp.linalg.norm(g - want) / jnp.linalg.norm(want)))
+        print(f"| {name} | " + " | ".join(f"{statistics.median(errors[k]):.4f}" for k in kinds) + " |")
+    print(f"\n(dim {args.dim}, depth {args.depth}, T {args.seq_len}, B {args.batch}, vocabulary {args.vocab}, bf16 compute; "
+          "||g - g_dense|| / ||g_dense|| of each kernel gradient, median over layers)")
+
+
+if __name__ == "__main__":
+    main()
