@@ -182,6 +182,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pivot(rows: list[dict]) -> str:
+    """docs/RESULTS.md's form: one table per model and batch, a row per setting, H100 and TPU v5p side
+    by side: peak MiB (x dense), modelled ms (x dense), logits-sized buffer among the ten largest."""
+    by = {(r["model"], r["batch"], r["target"], r["setting"]): r for r in rows}
+    out = []
+    for model, batch in sorted({(r["model"], r["batch"]) for r in rows}, key=lambda mb: (MODELS.index(mb[0]), mb[1])):
+        lines = [f"{model}, B={batch}, T={next(r['seq_len'] for r in rows if r['model'] == model)}:", "",
+                 "| setting | H100 peak MiB | H100 modelled ms | TPU v5p peak MiB | TPU v5p modelled ms | logits in top 10 (H100 / TPU) |",
+                 "|---|---|---|---|---|---|"]  # fmt: skip
+        for setting in SETTINGS:
+            cells, logits = [], []
+            for target in DEVICELESS_TARGETS:
+                r, d = by.get((model, batch, target, setting)), by.get((model, batch, target, "dense"))
+                if r is None:
+                    cells += ["", ""]
+                    logits.append("")
+                    continue
+                x = lambda k: f" ({r[k] / d[k]:.2f}x)" if d and r.get(k) and d.get(k) else ""  # noqa: E731
+                cells += [f"{r['peak_mib']:.0f}{x('peak_mib')}", f"{r['modelled_seconds'] * 1e3:.1f}{x('modelled_seconds')}" if r.get("modelled_seconds") else "-"]
+                logits.append("yes" if logits_sized(r["top10_at_peak"], r["logits_f32_mib"] * MIB) else "no")
+            if any(cells):
+                lines.append(f"| {setting} | " + " | ".join(c or "..." for c in cells) + f" | {' / '.join(l or '...' for l in logits)} |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -191,6 +217,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, help="B for every model (default: BATCH, 8 for both presets)")
     parser.add_argument("--out", default="benchmarks/results/lm_compiled.json")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
+    parser.add_argument("--markdown", action="store_true", help="print docs/RESULTS.md's form (settings by target) instead")
     parser.add_argument("--remeasure", action="store_true", help="measure the chosen rows again even where --out has them")
     args = parser.parse_args(argv)
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
@@ -214,7 +241,7 @@ def main(argv=None) -> None:
                     print(f"[lm_compiled]   peak {row['peak_mib']:.0f} MiB, modelled {(row['modelled_seconds'] or 0) * 1e3:.1f} ms, "
                           f"logits in top 10: {row['logits_in_top10']}", file=sys.stderr, flush=True)  # fmt: skip
         print(footer(meta))
-    print(table(merged(args.out)))
+    print(pivot(merged(args.out)) if args.markdown else table(merged(args.out)))
 
 
 def merged(out: str) -> list[dict]:

@@ -118,14 +118,16 @@ def summarise(root: str, steps: int, seeds: list[int]) -> dict:
 
 def table(study: dict) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
-    lines = ["| setting | seed | val loss @ step | gap to dense (same seed) | bits/byte | tokens/s (median) | wall |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| setting | seed | val loss @ step | gap to dense (same seed) | bits/byte | tokens/s (median) | wall | residual MiB (of dense) |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in study["rows"]:
         at = f"{fmt(r['final_val_loss'], '.4f')} @ {r['step']}" + ("" if r["finished"] else " (running)")
         gap = "-" if r["gap_percent"] is None else ("0 (ref)" if r["setting"] == "dense" else f"{r['gap_percent']:+.2f}%")
         wall = "-" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f} min"
+        kept, dense = r.get("residual_activation_mib"), r.get("dense_residual_activation_mib")
+        residual = f"{kept:.1f} ({kept / dense:.0%})" if kept and dense else "-"
         lines.append(f"| {r['setting']} | {r['seed']} | {at} | {gap} | {fmt(r['val_bits_per_byte'], '.4f')} | "
-                     f"{fmt(r['tokens_per_s_median'], '.0f')} | {wall} |")  # fmt: skip
+                     f"{fmt(r['tokens_per_s_median'], '.0f')} | {wall} | {residual} |")  # fmt: skip
     return "\n".join(lines)
 
 
