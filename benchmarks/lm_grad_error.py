@@ -3,8 +3,11 @@ kind: a check that a setting's loss gap is not a systematic error (int8 must be 
 than int4). One batch of random tokens, a small ``train.lm`` model (bf16 compute, as trained).
 
     python -m benchmarks.lm_grad_error
+    python -m benchmarks.lm_grad_error --workdir runs/lm_study/dense-seed0   # a trained run, real text
 
 Error: ``||g - g_dense|| / ||g_dense||`` of each linear layer's kernel gradient, median over layers.
+With ``--workdir``: the run's model (its config.json) at its last checkpoint, on ``--batch`` of its
+validation windows.
 """
 
 from __future__ import annotations
@@ -34,12 +37,16 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--workdir", help="a train.lm run: its model at its last checkpoint, its validation text")
     args = parser.parse_args(argv)
-    base = LMConfig(dim=args.dim, depth=args.depth, heads=4, seq_len=args.seq_len)
-    shape = model_shape(base, vocab_size=args.vocab)
-    tokens = jnp.zeros((1, args.seq_len), jnp.int32)
-    params = create_model(base, shape, compressed=False).init(jax.random.key(0), tokens)["params"]
-    batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, args.vocab)}
+    if args.workdir:
+        base, shape, params, batch = trained(args.workdir, args.batch)
+    else:
+        base = LMConfig(dim=args.dim, depth=args.depth, heads=4, seq_len=args.seq_len)
+        shape = model_shape(base, vocab_size=args.vocab)
+        tokens = jnp.zeros((1, args.seq_len), jnp.int32)
+        params = create_model(base, shape, compressed=False).init(jax.random.key(0), tokens)["params"]
+        batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, args.vocab)}
 
     def grads(config):
         model = create_model(config, shape)
@@ -50,15 +57,40 @@ def main(argv=None) -> None:
     print("| setting | " + " | ".join(kinds) + " |")
     print("|---|" + "---|" * len(kinds))
     for name, fields in SETTINGS.items():
-        got = jax.tree.leaves(grads(dataclasses.replace(base, **fields)))
+        got = jax.tree.leaves(grads(dataclasses.replace(base, **{"block": 16, **fields})))
         errors: dict[str, list[float]] = {}
         for (path, want), g in zip(dense, got):
             if path[0].key.startswith("layer_") and path[-1].key == "kernel":
                 kind = "/".join(k.key for k in path[1:-1])
                 errors.setdefault(kind, []).append(float(jnp.linalg.norm(g - want) / jnp.linalg.norm(want)))
         print(f"| {name} | " + " | ".join(f"{statistics.median(errors[k]):.4f}" for k in kinds) + " |")
-    print(f"\n(dim {args.dim}, depth {args.depth}, T {args.seq_len}, B {args.batch}, vocabulary {args.vocab}, bf16 compute; "
+    where = f"{args.workdir} at its last checkpoint, {args.batch} validation windows" if args.workdir else (
+        f"initialisation, random tokens, B {args.batch}")
+    print(f"\n(dim {shape.dim}, depth {shape.depth}, T {shape.seq_len}, vocabulary {shape.vocab_size}, {base.dtype} compute, {where}; "
           "||g - g_dense|| / ||g_dense|| of each kernel gradient, median over layers)")
+
+
+def trained(workdir: str, batch_size: int):
+    """``(config without compression, shape, params at the last checkpoint, batch of validation windows)``."""
+    import json
+    import os
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from train import lm_data, run_dir
+    from train.lm_loop import prepare_data
+
+    saved = json.load(open(run_dir.config_path(workdir)))
+    config = dataclasses.replace(LMConfig.from_json(saved["config"]), sparsity=0.0, storage_dtype=None, dx=None, stochastic=False,
+                                 rounding="nearest", layer_sparsity=(), resume=False)  # fmt: skip
+    _, tokenizer, _, val_stream = prepare_data(config)
+    shape = model_shape(config, tokenizer.vocab_size)
+    step = run_dir.latest_checkpoint_step(workdir)
+    state = ocp.PyTreeCheckpointer().restore(os.path.abspath(os.path.join(run_dir.checkpoint_dir(workdir), str(step), "default")))
+    params = jax.tree.map(jnp.asarray, state["params"])
+    windows = lm_data.eval_windows(val_stream, shape.seq_len, batch_size)
+    return config, shape, params, {"tokens": jnp.asarray(np.asarray(windows[:batch_size]), jnp.int32)}
 
 
 if __name__ == "__main__":
