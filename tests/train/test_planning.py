@@ -2,7 +2,6 @@
 
 import chex
 import jax
-import jax.numpy as jnp
 import pytest
 
 from bsr_jax import planner
@@ -32,10 +31,7 @@ def test_a_resumed_run_rebuilds_its_plan_without_compiling():
     model = create_lm(config, shape, compressed=False)
     saved = dict(target="h100", peak_bytes=2**20, choices={"layer_0": "remat", "layer_1": "int4", planner.REST: "keep"})
     planned, record = planning.planned_model(model, lambda m: loss_function(m, config), {}, None, None, "0.5", "h100", UsageError, saved)
-    assert record is saved
+    assert record is saved and type(planned) is not type(model)  # compress_model's subclass, not the plain LM
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 64)
     variables = model.init(jax.random.key(1), tokens)
     chex.assert_trees_all_equal(planned.apply(variables, tokens), model.apply(variables, tokens))
-    grads = [jax.grad(lambda p, m=m: loss_function(m, config)(p, {"tokens": jnp.pad(tokens, ((0, 0), (0, 1)))})[0])(variables["params"])
-             for m in (model, planned)]  # fmt: skip
-    assert jax.tree.structure(grads[0]) == jax.tree.structure(grads[1])
