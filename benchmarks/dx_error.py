@@ -64,6 +64,7 @@ import numpy as np
 from jax._src import core as jax_core
 
 from benchmarks.run_info import run_metadata, write_json
+from benchmarks.storage_error import _models  # the same five models, inputs and losses
 from bsr_jax import Rule, compress_model, lean_graph
 from bsr_jax import dx as dx_lib
 
@@ -79,19 +80,6 @@ AFFECTED = 1e-5
 # The token models' embedding module (its __call__ output is the first layer's output).
 EMBEDDING = {"lm": "embed", "gpt2": "wte", "llama": "embed_tokens"}
 EMBEDDING_FREE = ("mixer", "vit")
-
-
-def _models(c: tpm.Config) -> dict[str, tuple[nn.Module, jax.Array, Callable[[jax.Array], jax.Array]]]:
-    """name -> (model, input, loss of the output), as benchmarks/storage_error.py."""
-    classify = lambda out: tpm.classifier_loss(out, tpm.labels(c))  # noqa: E731
-    language = lambda out: tpm.lm_loss(out, tpm.tokens(c))  # noqa: E731
-    return {
-        "mixer": (tpm.mixer(c), tpm.images(c), classify),
-        "vit": (tpm.vit(c), tpm.images(c), classify),
-        "lm": (tpm.lm(c), tpm.tokens(c), language),
-        "gpt2": (tpm.gpt2(c), tpm.tokens(c), language),
-        "llama": (tpm.llama(c), tpm.tokens(c), language),
-    }
 
 
 # ---- which segments store what, and of which kind ----

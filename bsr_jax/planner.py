@@ -148,7 +148,10 @@ def _natural(path: str) -> tuple:
 
 def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], rest: str = "keep") -> nn.Module:
     """``model`` with block ``blocks[i]`` treated as ``OPTIONS[choices[i]]`` and everything else as
-    ``OPTIONS[rest]`` (``compress_model`` with rules, lean modes, dx and remat by path)."""
+    ``OPTIONS[rest]`` (``compress_model`` with rules, lean modes, dx and remat by path); ``model``
+    itself where everything is kept."""
+    if set(choices) <= {"keep"} and rest == "keep":
+        return model
     rules, lean, dx, remat = [], [], [], []
     for block, name in zip(blocks, choices):
         option = OPTIONS[name]
@@ -254,7 +257,7 @@ class _Search:
         if key not in self.cache and (self.target, *key) in self.shared:
             self.cache[key] = self.shared[(self.target, *key)]
         if key not in self.cache:
-            module = self.model if set(choices) == {"keep"} and rest == "keep" else assemble(self.model, blocks, choices, rest)
+            module = assemble(self.model, blocks, choices, rest)
             compiled = compiled_memory(self.step(module), self.variables, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
             measured = Measured(dict(zip(blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
             self.cache[key] = self.shared[(self.target, *key)] = (measured, compiled)
@@ -363,7 +366,7 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
                          f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with {best.label}")  # fmt: skip
     _, (choices, rest) = min(fitting)
     chosen, compiled = search.cache[(choices, rest)]
-    module = model if set(choices) == {"keep"} and rest == "keep" else assemble(model, blocks, choices, rest)
+    module = assemble(model, blocks, choices, rest)
     return Plan(model=module, choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
 
