@@ -156,11 +156,12 @@ def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], re
     for block, name in zip(blocks, choices):
         option = OPTIONS[name]
         inside = (block, f"{block}/*")
+        # Every block gets its own rule, exact ones too: the rest's rule ("*") is for what lies
+        # outside the blocks (a kept or remat block under a rest of int4 stays exact).
+        rules.append(Rule(f"{block}/*", option.compression))
         if option.remat:
             remat.append((block, option.policy))
             continue
-        if option.compression is not None:
-            rules.append(Rule(f"{block}/*", option.compression))
         lean += [(p, option.lean) for p in inside]
         dx += [(p, option.dx) for p in inside]
     rest_option = OPTIONS[rest]

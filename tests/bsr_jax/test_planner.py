@@ -100,6 +100,15 @@ def test_blocks_are_found_in_loops_and_scans(scan, expected):
     assert planner.find_blocks(jax.make_jaxpr(_loss(net))(v).jaxpr, "Net") == (expected, scan)
 
 
+def test_kept_and_remat_blocks_stay_exact_under_a_compressed_rest():
+    net = Net()
+    v = net.init(jax.random.key(1), X)
+    module = planner.assemble(net, [f"blocks_{i}" for i in range(4)], ["keep", "remat", "int8", "keep"], "int4")
+    layers = bsr_jax.pruning_plan(lambda v, x: module.apply(v, x), v, X).layers
+    assert {layer.path: layer.compression.storage_dtype for layer in layers} == {
+        "Dense_0": "int4", "blocks_2/Dense_0": "int8", "blocks_2/Dense_1": "int8", "Dense_1": "int4"}
+
+
 def test_a_model_without_repeated_blocks_is_named():
     mlp = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)])
     v = mlp.init(jax.random.key(0), X)
