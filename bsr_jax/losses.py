@@ -14,51 +14,69 @@ fused linear cross-entropy and Apple's Cut Cross-Entropy do in PyTorch:
 At most one chunk's logits exist at a time, so the extra memory is ``chunk x V`` f32 (plus ``w``'s
 f32 gradient accumulator) instead of ``2 x N x V``; the price is one more ``h @ w`` in the backward
 pass. Loss and gradients are the plain form's up to f32 rounding (the products accumulate in f32).
+``logits_dtype`` rounds each logit to the head's output dtype first (a bf16 ``nn.Dense`` returns
+bf16 logits): the chunked loss then reads the values the plain loss reads.
+
+Inside a ``jax.checkpoint`` (``nn.remat``) the forward's logsumexp is kept (named ``LEAN_NAME``,
+which ``bsr_jax.lean_graph``'s policy keeps), not the chunks' logits; a policy that keeps every
+product (``dots_saveable``) keeps them all, as it asks.
+
+``bsr_jax.head_loss`` recognises a head projection followed by optax's softmax cross-entropy in a
+model or a loss function as written, and computes the pair with this function.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from bsr_jax import sharding
+from bsr_jax.lean import LEAN_NAME
 
 
-def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
-    """``h (C, D) @ w (D, V)`` in h's dtype (as a Dense with ``dtype=h.dtype`` computes), accumulated and returned in f32."""
-    return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+def _logits(h: jax.Array, w: jax.Array, logits_dtype: jnp.dtype) -> jax.Array:
+    """``h (C, D) @ w (D, V)`` in h's dtype (as a Dense with ``dtype=h.dtype`` computes), accumulated
+    in f32, rounded to ``logits_dtype`` (as that Dense returns them) and returned in f32."""
+    return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32).astype(logits_dtype).astype(jnp.float32)
 
 
-def _forward_chunk(h: jax.Array, w: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _forward_chunk(h: jax.Array, w: jax.Array, labels: jax.Array, logits_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """Per-token ``(loss, logsumexp)`` of one chunk, f32 ``(C,)`` each; negative labels give loss 0."""
-    logits = _logits(h, w)
+    logits = _logits(h, w, logits_dtype)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[:, None], axis=-1)[:, 0]
     return jnp.where(labels >= 0, lse - picked, 0.0), lse
 
 
-@jax.custom_vjp
-def _chunked_losses(h: jax.Array, w: jax.Array, labels: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_losses(h: jax.Array, w: jax.Array, labels: jax.Array, logits_dtype: jnp.dtype) -> jax.Array:
     """``h (n, C, D)``, ``w (D, V)``, ``labels (n, C)`` int32 -> losses f32 ``(n, C)``."""
-    return _fwd(h, w, labels)[0]
+    return _fwd(h, w, labels, logits_dtype)[0]
 
 
-def _fwd(h, w, labels):
+def _fwd(h, w, labels, logits_dtype):
     def body(_, chunk):
         h_c, labels_c = chunk
-        return None, _forward_chunk(h_c, w, labels_c)
+        return None, _forward_chunk(h_c, w, labels_c, logits_dtype)
 
     _, (losses, lse) = jax.lax.scan(body, None, (h, labels))
+    # Named as a small value worth keeping: inside a jax.checkpoint with bsr_jax.lean_graph's policy
+    # (compress_model's), which keeps products, the lse is kept, not every chunk's logits to
+    # recompute it from.
+    lse = checkpoint_name(lse, LEAN_NAME)
     return losses, (h, w, labels, lse)
 
 
-def _bwd(residuals, g):
+def _bwd(logits_dtype, residuals, g):
     h, w, labels, lse = residuals
     vocab = w.shape[1]
 
     def body(dw, chunk):
         h_c, labels_c, lse_c, g_c = chunk
-        probs = jnp.exp(_logits(h_c, w) - lse_c[:, None])
+        probs = jnp.exp(_logits(h_c, w, logits_dtype) - lse_c[:, None])
         onehot = jnp.arange(vocab)[None, :] == labels_c[:, None]
         dlogits = (probs - onehot) * jnp.where(labels_c >= 0, g_c, 0.0)[:, None]  # f32 (C, V)
         dlogits = dlogits.astype(h.dtype)  # what autodiff of a Dense in h's dtype would carry
@@ -74,7 +92,8 @@ def _bwd(residuals, g):
 _chunked_losses.defvjp(_fwd, _bwd)
 
 
-def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int = 1024) -> jax.Array:
+def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int = 1024,
+                                  logits_dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:  # fmt: skip
     """Per-token ``softmax_cross_entropy(h @ w, labels)`` without the ``(..., V)`` logits array.
 
     Args:
@@ -84,6 +103,9 @@ def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array,
         accumulated over chunks in f32). For a head tied to an embedding ``E (V, D)`` pass ``E.T``.
       labels: int ``(...)``, in ``[0, V)``; negative labels are ignored (loss 0, no gradient).
       chunk: tokens per chunk (the last is padded): the largest transient array is ``chunk x V`` f32.
+      logits_dtype: a float dtype the logits are rounded to before the softmax (in f32): the head's
+        output dtype, e.g. ``jnp.bfloat16`` for a bf16 ``nn.Dense``, whose plain loss reads bf16
+        logits. The default (f32) rounds nothing.
 
     Returns:
       f32 ``(...)``: each token's ``logsumexp(logits) - logits[label]`` (0 where the label is
@@ -97,6 +119,8 @@ def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array,
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise ValueError(f"labels must be integers, got {labels.dtype}")
+    if not jnp.issubdtype(logits_dtype, jnp.floating):
+        raise ValueError(f"logits_dtype must be a float dtype (e.g. jnp.bfloat16, jnp.float32), got {logits_dtype!r}")
     features = h.reshape(-1, h.shape[-1])
     flat = labels.reshape(-1).astype(jnp.int32)
     count = flat.shape[0]
@@ -105,6 +129,6 @@ def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array,
     if pad:  # padding tokens carry label -1: no loss, no gradient
         features = jnp.pad(features, ((0, pad), (0, 0)))
         flat = jnp.pad(flat, (0, pad), constant_values=-1)
-    losses = _chunked_losses(features.reshape(-1, chunk, h.shape[-1]), w, flat.reshape(-1, chunk))
+    losses = _chunked_losses(features.reshape(-1, chunk, h.shape[-1]), w, flat.reshape(-1, chunk), jnp.dtype(logits_dtype))
     return losses.reshape(-1)[:count].reshape(labels.shape)
 

@@ -52,6 +52,23 @@ def test_bf16_features_follow_a_bf16_dense():
     np.testing.assert_allclose(dh.astype(jnp.float32), dh_ref.astype(jnp.float32), rtol=2e-2, atol=2e-3)
 
 
+def test_logits_dtype_reads_the_logits_a_bf16_dense_returns():
+    """A bf16 head rounds its logits to bf16; a loss on them cast to f32 is matched to f32 rounding
+    (without the rounding, only to bf16's); gradients to bf16 rounding (reordered f32 sums)."""
+    h, w, labels = inputs(jnp.bfloat16)
+    labels = jnp.maximum(labels, 0)
+    plain_bf16 = lambda h, w: optax.softmax_cross_entropy_with_integer_labels(jnp.dot(h, w.astype(h.dtype)).astype(jnp.float32), labels).mean()
+    chunked = lambda dtype: lambda h, w: chunked_softmax_cross_entropy(h, w, labels, chunk=16, logits_dtype=dtype).mean()
+    want = plain_bf16(h, w)
+    np.testing.assert_allclose(jax.jit(chunked(jnp.bfloat16))(h, w), want, rtol=1e-6)
+    assert abs(float(jax.jit(chunked(jnp.float32))(h, w)) - float(want)) > 1e-6 * float(want)  # the rounding matters
+    (dh, dw), (dh_ref, dw_ref) = (jax.jit(jax.grad(f, argnums=(0, 1)))(h, w) for f in (chunked(jnp.bfloat16), plain_bf16))
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-2, atol=1e-2 * float(jnp.abs(dw_ref).max()))
+    np.testing.assert_allclose(dh.astype(jnp.float32), dh_ref.astype(jnp.float32), rtol=1e-2, atol=1e-2 * float(jnp.abs(dh_ref).max()))
+    with pytest.raises(ValueError, match="logits_dtype"):
+        chunked_softmax_cross_entropy(h, w, labels, logits_dtype=jnp.int32)
+
+
 def _largest_array(jaxpr) -> int:
     sizes = [0]
     for eqn in jaxpr.eqns:
@@ -67,6 +84,16 @@ def test_no_array_of_all_the_logits_exists():
     assert _largest_array(jax.make_jaxpr(step)(h, w).jaxpr) <= max(8 * V, (B * T + 8) * D, D * V)  # chunk logits, padded h, dw
     reference = lambda h, w: jax.value_and_grad(lambda h, w: plain(h, w, labels).mean(), argnums=(0, 1))(h, w)
     assert _largest_array(jax.make_jaxpr(reference)(h, w).jaxpr) >= B * T * V  # what the plain form holds
+
+
+def test_inside_a_checkpoint_that_keeps_products_the_chunk_logits_are_not_kept():
+    """compress_model's lean_graph runs the model (and a loss inside it) under jax.checkpoint with a
+    policy keeping products: the forward keeps its lse (named), not every chunk's logits."""
+    from bsr_jax.lean_graph import policy
+
+    h, w, labels = inputs()
+    loss = jax.checkpoint(lambda h, w: chunked_softmax_cross_entropy(h, w, labels, chunk=8).mean(), policy=policy)
+    assert _largest_array(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h, w).jaxpr) <= max(8 * V, (B * T + 8) * D, D * V)
 
 
 def test_bad_arguments_raise():
