@@ -3,6 +3,7 @@
 # First, before jax starts: no plugin noise on a machine without an accelerator (see its docstring).
 from bsr_jax import _environment  # noqa: F401  isort: skip
 from bsr_jax.compress import compress_model
+from bsr_jax.head_loss import chunked_head_loss
 from bsr_jax.conv import Conv, compressed_conv
 from bsr_jax.elementwise import bsr_scale_shift
 from bsr_jax.format import BlockSparse, Pruning, capacity_for, from_dense
@@ -11,7 +12,7 @@ from bsr_jax.lean import lean_neighbours
 from bsr_jax.linear import bsr_linear
 from bsr_jax.pooling import Pooling
 # Submodules the README uses as attributes (bsr_jax.schedules.layer_sparsity, ...); each costs ~1 ms.
-from bsr_jax import dx, losses, presets, quantize, roofline, schedules, sensitivity, sharding
+from bsr_jax import dx, head_loss, losses, presets, quantize, roofline, schedules, sensitivity, sharding
 from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
 from bsr_jax.report import ResidualReport, residual_report
 from bsr_jax.compiled import CompiledStep, compiled_memory
@@ -21,6 +22,8 @@ from bsr_jax.memory import CompiledMemory, ResidualBytes, program_order_peak, re
 
 __all__ = [
     "compress_model",
+    "chunked_head_loss",
+    "head_loss",
     "plan",
     "Plan",
     "planner",

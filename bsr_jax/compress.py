@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from bsr_jax import barriers, intercept, lean_graph
+from bsr_jax import barriers, head_loss, intercept, lean_graph
 from bsr_jax.dx import check_dx
 from bsr_jax import lean as lean_ops
 from bsr_jax import rules as rules_lib
@@ -185,8 +185,10 @@ def compressing(rules: Sequence[Rule], *, lean: bool = True) -> Iterator[_Shared
         yield shared
 
 
-def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, treatment: lean_graph.Treatment | None) -> nn.Module:
-    """``lean``: inside ``bsr_jax.lean``'s context; ``treatment``: evaluated by ``lean_graph``."""
+def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, treatment: lean_graph.Treatment | None,
+                      loss_chunk: int | None) -> nn.Module:  # fmt: skip
+    """``lean``: inside ``bsr_jax.lean``'s context; ``treatment``: evaluated by ``lean_graph``;
+    ``loss_chunk``: inside ``bsr_jax.head_loss``'s."""
     base = type(model)
     if treatment is not None:
         treatment = dataclasses.replace(treatment, roots=frozenset({base.__name__}))
@@ -196,7 +198,9 @@ def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, tre
             intercept.mark_parameters(variables.get("params", {}))
             return base.apply(self, variables, *args, **kwargs)
 
-        with compressing(rules, lean=lean):
+        head_losses = (head_loss.recognising_head_losses(loss_chunk, scope=f"{base.__name__}.apply (compress_model(loss_chunk=...))")
+                       if loss_chunk is not None else contextlib.nullcontext())  # fmt: skip
+        with compressing(rules, lean=lean), head_losses:
             # lean: hand-written norms, activations and attention keep less too (bsr_jax.lean_graph).
             return lean_graph.lean_call(run, variables, *args, treatment=treatment, **kwargs) if treatment is not None else run(variables, *args, **kwargs)
 
@@ -276,7 +280,8 @@ def _modes(lean: bool | Sequence[tuple[str, bool]], remat: Sequence[tuple[str, A
 
 
 def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool | Sequence[tuple[str, bool]] = True,
-                   dx: lean_graph.DxRules = None, remat: Sequence[tuple[str, Callable[..., bool] | None]] = ()) -> Any:  # fmt: skip
+                   dx: lean_graph.DxRules = None, remat: Sequence[tuple[str, Callable[..., bool] | None]] = (),
+                   loss_chunk: int | None = None) -> Any:  # fmt: skip
     """``model`` with block-pruned residuals where ``rules`` say (first match by module path).
 
     Args:
@@ -298,6 +303,12 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool | Seq
         inputs, e.g. GELU's input, q/k/v) in that format (``bsr_jax.dx``), or ``[(pattern,
         format or None), ...]`` by module path, first match (``[("*attention*", None), ("*",
         "int8")]``). ``None`` (the default): exact.
+      loss_chunk: tokens per chunk (linen): where the model's ``__call__`` ends with its head and
+        ``optax.softmax_cross_entropy_with_integer_labels(logits, labels)`` (or the one-hot form),
+        the pair runs ``loss_chunk`` tokens at a time and the ``(..., V)`` logits never exist
+        (``bsr_jax.head_loss``: what is recognised; loss and gradients as the plain form's within
+        f32 rounding). A loss outside the model needs ``bsr_jax.chunked_head_loss``. An ``apply``
+        in which nothing is recognised warns. ``None`` (the default): off.
 
     Random options (``Pruning(stochastic=True)`` or ``rounding="stochastic"``) draw their keys from
     the ``"pruning"`` rng stream: ``model.apply(variables, x, rngs={"pruning": key})`` (linen only;
@@ -318,13 +329,17 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool | Seq
             check_dx(fmt)
         if lean is False or not isinstance(model, nn.Module):
             raise ValueError("dx needs lean=True and a flax.linen model (NNX models: not yet)")
+    if loss_chunk is not None:
+        head_loss.check_chunk(loss_chunk, "loss_chunk (None: off)")
+        if not isinstance(model, nn.Module):
+            raise ValueError("loss_chunk needs a flax.linen model (NNX models: not yet)")
     modes = _modes(lean, remat)
     if modes and not isinstance(model, nn.Module):
         raise ValueError("lean rules by path and remat= need a flax.linen model (NNX: lean=True/False only)")
     if isinstance(model, nn.Module):
         treatment = lean_graph.Treatment(dx=dx, modes=modes) if lean is not False or modes else None
         # Rules by path: lean_graph alone (bsr_jax.lean's replacements apply everywhere or nowhere).
-        return _linen_compressed(model, rules, lean is True, treatment)
+        return _linen_compressed(model, rules, lean is True, treatment, loss_chunk)
     if isinstance(model, nnx.Module):
         return _nnx_compress(model, rules, lean)
     raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
