@@ -24,6 +24,12 @@ Peaks are not additive (XLA reschedules, remat's recompute is transient), so not
 uncompiled: a plan's peak and time are those of its own compiled step. Approximate options
 (``int8``/``int4`` dW, ``int4-dx8`` dx, ``topk``) change gradients within the bounds documented in
 docs/memory.md; ``options=EXACT`` restricts the search to exact ones.
+
+``flax.nnx`` models (``bsr_jax.planner_nnx``) take the same search over blocks found in their
+module graph (an ``nnx.List`` of blocks, ``block_0, block_1``), each candidate built on a clone:
+per block keep, int8/int4/topk (compression only, no lean neighbours) and the remat options; for
+the rest keep or int4. ``lean``/``int4-dx8`` per block and a lean rest are linen's (rules by
+path), and blocks stacked for ``nnx.scan`` are not supported.
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ import itertools
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
 import optax
+from flax import nnx
 from jax._src import core as jax_core
 
 from bsr_jax.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory
@@ -189,13 +196,14 @@ class Measured:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What ``plan`` chose. ``model``: a linen module with the dense parameter tree and the same
-    forward values, to use in the user's own step; ``choices``: block path -> option name
+    """What ``plan`` chose. ``model``: a linen module with the dense parameter tree (NNX: a model
+    holding a copy of the user's state, ``nnx.Param`` tree unchanged) and the same forward values,
+    to use in the user's own step; ``choices``: block path -> option name
     (``OPTIONS``), ``REST`` -> the rest's; ``peak``/``modelled_seconds``: its compiled step on
     ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy);
     ``tried``: every candidate compiled, in order."""
 
-    model: nn.Module
+    model: nn.Module | nnx.Module
     choices: Mapping[str, str]
     peak: int
     modelled_seconds: float
@@ -232,18 +240,47 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
 
 
-class _Search:
-    """Compiles candidates (cached by their choices) and remembers them in order."""
+class Family(Protocol):
+    """What differs between linen models (``_Linen``) and NNX ones (``bsr_jax.planner_nnx.Nnx``)
+    for ``plan``, whose search is the same for both. Constructed as ``(model, loss_fn, batch,
+    variables, init_args)``; ``assemble(choices, rest)``: the model with ``blocks[i]`` as
+    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer)``:
+    ``step(state, opt_state, *batch) -> (state, opt_state, loss)`` of that module."""
 
-    def __init__(self, model, loss_fn, batch, variables, optimizer, target, progress, cache):
-        self.model, self.loss_fn, self.batch, self.variables = model, loss_fn, batch, variables
-        self.optimizer, self.target, self.progress = optimizer, target, progress
-        self.opt_state = jax.eval_shape(optimizer.init, variables["params"])
-        self.shared = cache if cache is not None else {}
-        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+    name: str  # the kind, for messages: "flax.linen"
+    unavailable: Mapping[str, str]  # block options this kind cannot take -> why
+    rest_unavailable: Mapping[str, str]  # the same for the rest
+    blocks: tuple[str, ...]  # the repeated blocks' paths
+    state: Any  # abstract: the step's first argument (donated)
+    params: Any  # abstract: what the optimizer updates (its state is the step's second argument)
 
-    def step(self, module: nn.Module):
-        loss_fn, optimizer = self.loss_fn, self.optimizer
+    def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
+
+    def step(self, module: Any, optimizer: optax.GradientTransformation) -> Callable[..., Any]: ...
+
+
+class _Linen:
+    """A linen model: blocks from its traced loss, candidates from ``assemble``, its variables as the state."""
+
+    name = "flax.linen"
+    unavailable: Mapping[str, str] = {}
+    rest_unavailable: Mapping[str, str] = {}
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., jax.Array], batch: Sequence[Any], variables: Any,
+                 init_args: Sequence[Any] | None):  # fmt: skip
+        if variables is None:
+            args = _abstract(tuple(init_args) if init_args is not None else batch[:1])
+            variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)))
+        self.model, self.loss_fn, self.state = model, loss_fn, _abstract(variables)
+        self.params = self.state["params"]
+        traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(self.state, *batch)
+        self.blocks = find_blocks(traced.jaxpr, type(model).__name__)[0]
+
+    def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
+        return assemble(self.model, self.blocks, choices, rest)
+
+    def step(self, module: nn.Module, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+        loss_fn = self.loss_fn
 
         def step(variables, opt_state, *batch):
             others = {k: v for k, v in variables.items() if k != "params"}
@@ -253,14 +290,24 @@ class _Search:
 
         return step
 
-    def measure(self, blocks: Sequence[str], choices: Sequence[str], rest: str) -> Measured:
+
+class _Search:
+    """Compiles candidates (cached by their choices) and remembers them in order."""
+
+    def __init__(self, family: Family, batch, optimizer, target, progress, cache):
+        self.family, self.batch, self.optimizer, self.target, self.progress = family, batch, optimizer, target, progress
+        self.opt_state = jax.eval_shape(optimizer.init, family.params)
+        self.shared = cache if cache is not None else {}
+        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+
+    def measure(self, choices: Sequence[str], rest: str) -> Measured:
         key = (tuple(choices), rest)
         if key not in self.cache and (self.target, *key) in self.shared:
             self.cache[key] = self.shared[(self.target, *key)]
         if key not in self.cache:
-            module = assemble(self.model, blocks, choices, rest)
-            compiled = compiled_memory(self.step(module), self.variables, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
-            measured = Measured(dict(zip(blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
+            step = self.family.step(self.family.assemble(choices, rest), self.optimizer)
+            compiled = compiled_memory(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            measured = Measured(dict(zip(self.family.blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
             self.cache[key] = self.shared[(self.target, *key)] = (measured, compiled)
             if self.progress:
                 print(f"[plan] {len(self.cache):>3} compiled: {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
@@ -268,78 +315,93 @@ class _Search:
         return self.cache[key][0]
 
 
+def _available(argument: str, given: Sequence[str] | None, known: Sequence[str], family: type) -> tuple[str, ...]:
+    """``given`` checked against ``known`` and what ``family`` cannot take; ``None``: all it can."""
+    unavailable = family.unavailable if argument == "options" else family.rest_unavailable
+    if given is None:
+        return tuple(o for o in known if o not in unavailable)
+    unknown = [o for o in given if o not in known]
+    if unknown:
+        raise ValueError(f"{argument} {unknown} unknown; choose from {tuple(known)}")
+    refused = [o for o in given if o in unavailable]
+    if refused:
+        raise ValueError(f"{argument} {refused} not available for {family.name} models: " + "; ".join(f"{o}: {unavailable[o]}" for o in refused))
+    return tuple(given)
+
+
 def _label(choices: Sequence[str], rest: str) -> str:
     runs = [f"{len(list(g))}x{name}" for name, g in itertools.groupby(choices)]
     return " + ".join(runs) + f", rest {rest}"
 
 
-def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
-         budget: int | float | str, target: str = "h100", options: Sequence[str] = tuple(OPTIONS),
-         rest_options: Sequence[str] = REST_OPTIONS, verify: int = 3,
+def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
+         budget: int | float | str, target: str = "h100", options: Sequence[str] | None = None,
+         rest_options: Sequence[str] | None = None, verify: int = 3,
          variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
          cache: dict | None = None) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
 
     Args:
-      model: an unbound ``flax.linen.Module`` with repeated blocks (see ``find_blocks``).
-      loss_fn: ``loss_fn(module, variables, *batch) -> scalar``, called with each candidate module
-        (it applies ``module``; mutable collections such as ``batch_stats`` are the caller's to handle).
+      model: an unbound ``flax.linen.Module`` with repeated blocks (see ``find_blocks``), or a
+        ``flax.nnx.Module`` with a list of blocks (``bsr_jax.planner_nnx.find_blocks``), not mutated.
+      loss_fn: linen: ``loss_fn(module, variables, *batch) -> scalar``, called with each candidate
+        module (it applies ``module``; mutable collections such as ``batch_stats`` are the caller's to
+        handle). NNX: ``loss_fn(model, *batch) -> scalar``, called with each candidate model holding
+        the step's state (as ``nnx.value_and_grad(loss_fn)(model, *batch)``); gradients are taken
+        with respect to its ``nnx.Param``s.
       example_batch: arrays or ``jax.ShapeDtypeStruct``s of one training batch.
       optimizer: the optax transformation of the step (its state counts toward the peak).
       budget: bytes (int), a size string (``"12GiB"``, ``"800MB"``) or a fraction in (0, 1] of the
         dense step's compiled peak on ``target``.
       target: ``"h100"`` or ``"tpu-v5p"`` (deviceless; see ``bsr_jax.compiled_memory``).
       options: names from ``OPTIONS`` the blocks may take (``EXACT``: only exact ones); ``"keep"``
-        is always included.
-      rest_options: what everything outside the blocks may take (``REST_OPTIONS``); ``"keep"``
-        is always included.
+        is always included. Default: all the model's kind can take (NNX: not ``"lean"`` nor
+        ``"int4-dx8"``, which need linen's rules by path; naming them is a ``ValueError``).
+      rest_options: what everything outside the blocks may take (``REST_OPTIONS``; NNX: not
+        ``"lean"``); ``"keep"`` is always included.
       verify: how many mixed assignments, best predicted first, are compiled.
-      variables: the model's variables (arrays or ``ShapeDtypeStruct``s); default: the abstract
-        ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``.
+      variables: (linen) the model's variables (arrays or ``ShapeDtypeStruct``s); default: the
+        abstract ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``.
+        An NNX model carries its own state (arrays, or ``ShapeDtypeStruct``s from ``nnx.eval_shape``).
       progress: one line on stderr per compile.
       cache: a dict of compiled candidates to read and fill, shared between calls with the same
         model, loss, batch and optimizer (e.g. several budgets); by default each call compiles anew.
 
     Returns:
-      a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is.
+      a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
+      (NNX: a new model holding a copy of ``model``'s state).
 
     Raises:
-      ValueError: bad ``budget``/``target``/``options``, a model with no repeated blocks, or no
-        candidate within budget (the message names the smallest compiled peak and its choices).
+      ValueError: bad ``budget``/``target``/``options``, a model with no repeated blocks (or, NNX,
+        blocks stacked for ``nnx.scan``), or no candidate within budget (the message names the
+        smallest compiled peak and its choices).
     """
     kind, amount = parse_budget(budget)
     if target not in DEVICELESS_TARGETS:
         raise ValueError(f"target must be one of {DEVICELESS_TARGETS}, got {target!r}")
-    unknown = [o for o in options if o not in OPTIONS]
-    if unknown:
-        raise ValueError(f"options {unknown} unknown; choose from {tuple(OPTIONS)}")
-    unknown = [o for o in rest_options if o not in REST_OPTIONS]
-    if unknown:
-        raise ValueError(f"rest_options {unknown} unknown; choose from {REST_OPTIONS}")
     if not isinstance(verify, int) or verify < 0:
         raise ValueError(f"verify must be an int >= 0, got {verify!r}")
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"plan needs a flax.linen Module, got {type(model).__name__} (NNX models: not yet)")
+    if not isinstance(model, (nn.Module, nnx.Module)):
+        raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
+    family_type = _Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
+    options = _available("options", options, tuple(OPTIONS), family_type)
+    rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type)
     batch = _abstract(example_batch)
-    if variables is None:
-        args = _abstract(tuple(init_args) if init_args is not None else batch[:1])
-        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)))
-    variables = _abstract(variables)
-    traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(variables, *batch)
-    blocks, _ = find_blocks(traced.jaxpr, type(model).__name__)
-    search = _Search(model, loss_fn, batch, variables, optimizer, target, progress, cache)
+    family: Family = family_type(model, loss_fn, batch, variables, init_args)
+    search = _Search(family, batch, optimizer, target, progress, cache)
+    blocks = family.blocks
     n = len(blocks)
     if progress:
         print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}", file=sys.stderr)
-    dense = search.measure(blocks, ["keep"] * n, "keep")
+    dense = search.measure(["keep"] * n, "keep")
     limit = amount * dense.peak if kind == "fraction" else amount
     names = list(dict.fromkeys(["keep", *options]))
-    uniform = {name: search.measure(blocks, [name] * n, "keep") for name in names}
-    remat = search.measure(blocks, ["remat"] * n, "keep")
+    uniform = {name: search.measure([name] * n, "keep") for name in names}
+    remat = search.measure(["remat"] * n, "keep")
     smallest = min(names, key=lambda name: uniform[name].peak)
     rest_delta = {"keep": (0, 0.0)}
     for rest in dict.fromkeys(rest_options).keys() - {"keep"}:
-        m = search.measure(blocks, [smallest] * n, rest)
+        m = search.measure([smallest] * n, rest)
         rest_delta[rest] = (m.peak - uniform[smallest].peak, m.seconds - uniform[smallest].seconds)
 
     def predicted(choices: tuple[str, ...], rest: str) -> tuple[float, float]:
@@ -355,7 +417,7 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
     for _, (choices, rest) in ranked:
         if fits >= verify or tried >= 2 * verify:
             break
-        fits, tried = fits + (search.measure(blocks, choices, rest).peak <= limit), tried + 1
+        fits, tried = fits + (search.measure(choices, rest).peak <= limit), tried + 1
     for (target_, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
         if target_ == target and len(key[0]) == n:
             search.cache.setdefault(tuple(key), entry)
@@ -367,9 +429,11 @@ def plan(model: nn.Module, loss_fn: Callable[..., jax.Array], *example_batch: An
                          f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with {best.label}")  # fmt: skip
     _, (choices, rest) = min(fitting)
     chosen, compiled = search.cache[(choices, rest)]
-    module = assemble(model, blocks, choices, rest)
-    return Plan(model=module, choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
+    return Plan(model=family.assemble(choices, rest), choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
 
 
 __all__ = ["EXACT", "OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
+
+# Last: planner_nnx builds on the names above (imported here, bsr_jax.planner_nnx exists after `import bsr_jax`).
+from bsr_jax import planner_nnx  # noqa: E402

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import bsr_jax
-from bsr_jax import Rule, planner
+from bsr_jax import Rule, planner, planner_nnx
 
 
 class Block(nn.Module):
@@ -166,3 +167,136 @@ def test_only_the_options_given_are_chosen(compiled):
     with pytest.raises(ValueError, match="no candidate fits"):
         planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.8, target="h100", cache=compiled,
                      **(FEW | dict(options=())))  # fmt: skip
+
+
+# NNX: the same planner on a model written with flax.nnx (bsr_jax.planner_nnx).
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class NnxNet(nnx.Module):
+    """Net as NNX users write it: a stem, a list of blocks, a head."""
+
+    def __init__(self, rngs: nnx.Rngs, depth: int = 4):
+        self.stem = nnx.Linear(32, 64, rngs=rngs)
+        self.blocks = nnx.List([NnxBlock(64, rngs) for _ in range(depth)])
+        self.head = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class NnxNumbered(nnx.Module):
+    """Blocks as numbered attributes, beside a row of single layers (not blocks: no submodules)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.block_0, self.block_1, self.block_2 = (NnxBlock(8, rngs) for _ in range(3))
+        self.dense_0, self.dense_1 = nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)
+
+
+class NnxScanned(nnx.Module):
+    """Blocks made under nnx.vmap (stacked parameters) and run by nnx.scan."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return NnxBlock(8, rngs)
+
+        self.blocks = create(rngs)
+
+    def __call__(self, x):
+        return nnx.scan(lambda x, block: (block(x), None), in_axes=(nnx.Carry, 0))(x, self.blocks)[0]
+
+
+def _nnx_loss(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def _arrays(model):
+    return jax.tree.map(np.asarray, nnx.state(model))
+
+
+def test_nnx_blocks_are_found_in_lists_and_numbered_attributes():
+    assert planner_nnx.find_blocks(NnxNet(nnx.Rngs(0))) == ("blocks/0", "blocks/1", "blocks/2", "blocks/3")
+    assert planner_nnx.find_blocks(nnx.eval_shape(lambda: NnxNumbered(nnx.Rngs(0)))) == ("block_0", "block_1", "block_2")
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        planner_nnx.find_blocks(nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 8, rngs=nnx.Rngs(0))))
+
+
+def test_nnx_blocks_stacked_for_scan_are_refused():
+    with pytest.raises(ValueError, match=r"blocks/down \(Linear\) has a kernel of shape \(3, 32, 8\).*not supported"):
+        planner.plan(NnxScanned(nnx.Rngs(0)), _nnx_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.5)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(options=("remat", "lean")), r"options \['lean'\] not available for flax.nnx"),
+                                          (dict(options=("int4-dx8",)), r"options \['int4-dx8'\] not available for flax.nnx.*dx"),
+                                          (dict(rest_options=("lean", "int4")), r"rest_options \['lean'\] not available"),
+                                          (dict(init_args=(X,)), "variables and init_args are for linen models")])  # fmt: skip
+def test_nnx_linen_only_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        planner.plan(NnxNet(nnx.Rngs(0)), _nnx_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.5, **kwargs)
+
+
+def test_nnx_candidates_are_clones_with_the_users_params_and_forward():
+    net = NnxNet(nnx.Rngs(0))
+    before = _arrays(net)
+    family = planner_nnx.Nnx(net, _nnx_loss, BATCH, None, None)
+    module = family.assemble(["int4", "remat", "keep", "topk"], "int4")
+    x = jax.random.normal(jax.random.key(2), (8, 32))
+    np.testing.assert_array_equal(module(x), net(x))
+    chex.assert_trees_all_equal_shapes_and_dtypes(nnx.state(module, nnx.Param), nnx.state(net, nnx.Param))
+    # Each block its own treatment; the rest's int4 only outside the blocks.
+    compressed = {path for path, m in bsr_jax.rules.nnx_module_paths(module) if isinstance(m, nnx.Linear) and m.dot_general is not jax.lax.dot_general}
+    assert compressed == {"stem", "head", "blocks/0/up", "blocks/0/down", "blocks/3/up", "blocks/3/down"}
+    assert [type(b).__call__ is NnxBlock.__call__ for b in module.blocks] == [True, False, True, True]
+    # The user's model: its classes, layers and arrays as they were.
+    assert all(type(b) is NnxBlock for b in net.blocks) and net.stem.dot_general is jax.lax.dot_general
+    chex.assert_trees_all_equal(_arrays(net), before)
+
+
+@pytest.fixture(scope="module")
+def nnx_compiled():
+    return {}  # the NNX model's candidates (a cache is for one model: its keys are the choices)
+
+
+@pytest.fixture(scope="module")
+def nnx_plan(nnx_compiled):
+    net = NnxNet(nnx.Rngs(0))
+    before = _arrays(net)
+    plan = planner.plan(net, _nnx_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.6, target="h100", cache=nnx_compiled, **FEW)
+    return net, before, plan
+
+
+def test_nnx_plan_fits_its_budget_and_keeps_the_model(nnx_plan):
+    net, before, plan = nnx_plan
+    assert plan.peak <= plan.budget == int(0.6 * plan.dense.peak)
+    assert plan.modelled_seconds == min(m.seconds for m in plan.tried if m.peak <= plan.budget)
+    assert "remat" in plan.choices.values() and plan.choices.keys() == {f"blocks/{i}" for i in range(4)} | {planner.REST}
+    assert "blocks/0" in str(plan) and "remat per block" in str(plan)
+    chex.assert_trees_all_equal(_arrays(net), before)  # plan left the user's model as it was
+    assert all(type(b) is NnxBlock for b in net.blocks)
+    x, y = jax.random.normal(jax.random.key(2), (8, 32)), jnp.arange(8) % 10
+    np.testing.assert_array_equal(plan.model(x), net(x))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(plan.model, nnx.Param)) == jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(net, nnx.Param))
+    # Its remat blocks recompute (a lower compiled peak) and keep the gradient exact.
+    assert plan.remat.peak < 0.7 * plan.dense.peak
+    chex.assert_trees_all_close(nnx.grad(_nnx_loss)(plan.model, x, y), nnx.grad(_nnx_loss)(net, x, y), rtol=1e-6)
+
+
+@pytest.mark.usefixtures("nnx_plan")  # its compiles, cached
+def test_nnx_an_infeasible_budget_names_the_smallest_peak(nnx_compiled):
+    with pytest.raises(ValueError, match=r"no candidate fits the budget of 0 MiB on h100; the smallest compiled peak was [\d,]+ MiB"):
+        planner.plan(NnxNet(nnx.Rngs(0)), _nnx_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1KiB", target="h100", cache=nnx_compiled,
+                     **FEW)  # fmt: skip

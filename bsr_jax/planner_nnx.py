@@ -1,0 +1,148 @@
+"""``bsr_jax.plan`` for ``flax.nnx`` models: the blocks from the module graph, each candidate built
+on a clone of the user's model (``compress_model`` routes NNX layers in place), the step on
+``nnx.split``/``nnx.merge``; the search is ``bsr_jax.planner``'s.
+
+What an NNX block can take: ``keep``; ``int8``/``int4``/``topk``, its ``nnx.Linear`` /
+``nnx.LinearGeneral`` / ``nnx.Conv`` inputs compressed for their weight gradient (without linen's
+lean neighbours: NNX's lean is the whole model or nothing); the ``remat`` options, its
+``__call__`` under ``nnx.remat(policy=...)``. The rest: ``keep`` or ``int4``. Not ``lean`` or
+``int4-dx8`` per block, nor a ``lean`` rest: they need ``compress_model``'s lean and dx rules by
+module path, which are linen's. Blocks stacked by ``nnx.vmap`` and run by ``nnx.scan`` are not
+supported (one module holds every layer: no block to treat on its own).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from bsr_jax.compress import REPORTED_NNX, ROUTED_NNX, ROUTED_NNX_CONV, compress_model
+from bsr_jax.planner import OPTIONS, _abstract, _natural
+from bsr_jax.rules import Rule, nnx_module_paths
+
+_BY_PATH = "needs compress_model's lean and dx rules by module path, which are linen's"
+LINEN_ONLY: Mapping[str, str] = {"lean": f"per-block lean {_BY_PATH}", "int4-dx8": f"per-block approximate dx {_BY_PATH}"}
+REST_LINEN_ONLY: Mapping[str, str] = {"lean": f"a lean rest {_BY_PATH}"}
+_MATCHED = (*ROUTED_NNX, ROUTED_NNX_CONV, REPORTED_NNX)  # the layers compress_model's rules match
+
+
+def find_blocks(model: nnx.Module) -> tuple[str, ...]:
+    """The repeated blocks of an NNX model by path (``"blocks/0"``, ``"block_3"``): sibling modules
+    in its graph whose names differ only in a trailing number (an ``nnx.List``'s items, attributes
+    ``block_0, block_1``) and that have submodules of their own; of several such groups, the one
+    holding the most parameters (not, as for linen, the most traced operations)."""
+    modules = dict(nnx_module_paths(model))
+    _check_unstacked(modules)
+    composite = {path.rpartition("/")[0] for path in modules if path}
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path in modules:
+        parent, _, name = path.rpartition("/")
+        stem = re.sub(r"_?\d+$", "", name)
+        if path and stem != name and path in composite:
+            groups.setdefault((parent, stem), []).append(path)
+    candidates = [paths for paths in groups.values() if len(paths) > 1]
+    if not candidates:
+        raise ValueError("plan: found no repeated blocks in the NNX model (sibling modules with submodules: "
+                         "an nnx.List of blocks, or attributes block_0, block_1, ...)")  # fmt: skip
+    best = max(candidates, key=lambda paths: sum(_size(modules[p]) for p in paths))
+    return tuple(sorted(best, key=_natural))
+
+
+def _size(module: nnx.Module) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def _check_unstacked(modules: Mapping[str, nnx.Module]) -> None:
+    """Blocks made under ``nnx.vmap`` (to run under ``nnx.scan``) show as layers whose kernels
+    have one leading axis (the layers') more than the layer's own."""
+    for path, module in modules.items():
+        if isinstance(module, nnx.Linear):
+            expected = 2
+        elif isinstance(module, nnx.Conv):
+            expected = len(module.kernel_size) + 2
+        else:
+            continue
+        shape = module.kernel.get_value().shape
+        if len(shape) != expected:
+            raise ValueError(f"plan: {path} ({type(module).__name__}) has a kernel of shape {tuple(shape)}, with a leading "
+                             "axis of stacked layers: blocks stacked by nnx.vmap and run by nnx.scan are not supported for "
+                             "NNX models; keep the blocks as a list, nnx.List([Block(...) for _ in range(n)])")  # fmt: skip
+
+
+def _remat(block: nnx.Module, policy: Callable[..., bool] | None) -> None:
+    """``block``, in place, recomputing its forward in the backward pass: its class becomes a
+    subclass whose ``__call__`` runs under ``nnx.remat(policy=policy)`` (the state is unchanged;
+    ``nnx.split``/``merge``/``clone`` keep the subclass)."""
+    base = type(block)
+
+    def __call__(self, *args, **kwargs):
+        # Arrays are the checkpoint's inputs; flags (deterministic=True) and keyword arguments stay
+        # Python values, as the block's own code expects.
+        static = tuple(i + 1 for i, arg in enumerate(args) if not isinstance(arg, jax.Array))  # + 1: self
+        return nnx.remat(functools.partial(base.__call__, **kwargs), policy=policy, static_argnums=static)(self, *args)
+
+    block.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+
+
+class Nnx:
+    """An NNX model for ``plan`` (a ``bsr_jax.planner.Family``); its state is ``nnx.state(model)``."""
+
+    name = "flax.nnx"
+    unavailable = LINEN_ONLY
+    rest_unavailable = REST_LINEN_ONLY
+
+    def __init__(self, model: nnx.Module, loss_fn: Callable[..., jax.Array], batch: Sequence[Any], variables: Any,
+                 init_args: Sequence[Any] | None):  # fmt: skip
+        del batch  # the blocks come from the module graph, not from a trace
+        if variables is not None or init_args is not None:
+            raise ValueError("variables and init_args are for linen models: an NNX model carries its own state")
+        self.model, self.loss_fn = model, loss_fn
+        self.blocks = find_blocks(model)
+        self.state, self.params = _abstract(nnx.state(model)), _abstract(nnx.state(model, nnx.Param))
+        # compress_model raises on a rule that matches no layer: rules go only where layers are.
+        layers = [path for path, module in nnx_module_paths(model) if isinstance(module, _MATCHED)]
+        self.with_layers = {block for block in self.blocks if any(p.startswith(block + "/") for p in layers)}
+        self.outside = any(not any(p.startswith(block + "/") for block in self.blocks) for p in layers)
+
+    def assemble(self, choices: Sequence[str], rest: str) -> nnx.Module:
+        """A clone of the model treated as ``choices`` and ``rest`` say (the model is left as it is)."""
+        module = nnx.clone(self.model)
+        modules = dict(nnx_module_paths(module))
+        rules = []
+        for block, name in zip(self.blocks, choices):
+            option = OPTIONS[name]
+            if option.remat:
+                _remat(modules[block], option.policy)
+            # Every block its own rule, exact ones too: the rest's rule is for what lies outside.
+            if block in self.with_layers:
+                rules.append(Rule(f"{block}/*", option.compression))
+        if OPTIONS[rest].compression is not None and self.outside:
+            rules.append(Rule("*", OPTIONS[rest].compression))
+        return compress_model(module, rules, lean=False) if rules else module
+
+    def step(self, module: nnx.Module, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+        graphdef, loss_fn = nnx.graphdef(module), self.loss_fn
+
+        def step(state, opt_state, *batch):
+            params, others = nnx.split_state(state, nnx.Param, ...)
+
+            def loss(params):
+                model = nnx.merge(graphdef, params, others)
+                # The forward may update other state (batch statistics, rng counts): the step returns it.
+                return loss_fn(model, *batch), nnx.state(model, nnx.Not(nnx.Param))
+
+            (value, others), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return nnx.merge_state(optax.apply_updates(params, updates), others), opt_state, value
+
+        return step
+
+
+__all__ = ["LINEN_ONLY", "REST_LINEN_ONLY", "Nnx", "find_blocks"]
