@@ -13,7 +13,6 @@ supported (one module holds every layer: no block to treat on its own).
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -83,10 +82,15 @@ def _remat(block: nnx.Module, policy: Callable[..., bool] | None) -> None:
     base = type(block)
 
     def __call__(self, *args, **kwargs):
-        # Arrays are the checkpoint's inputs; flags (deterministic=True) and keyword arguments stay
-        # Python values, as the block's own code expects.
+        # Positional arrays are the checkpoint's inputs; other positional arguments (a train flag)
+        # stay Python values, as the block's code expects; keyword arguments are closed over
+        # (nnx.remat takes none).
         static = tuple(i + 1 for i, arg in enumerate(args) if not isinstance(arg, jax.Array))  # + 1: self
-        return nnx.remat(functools.partial(base.__call__, **kwargs), policy=policy, static_argnums=static)(self, *args)
+
+        def call(module, *args):
+            return base.__call__(module, *args, **kwargs)
+
+        return nnx.remat(call, policy=policy, static_argnums=static)(self, *args)
 
     block.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
 
@@ -131,16 +135,14 @@ class Nnx:
         graphdef, loss_fn = nnx.graphdef(module), self.loss_fn
 
         def step(state, opt_state, *batch):
-            params, others = nnx.split_state(state, nnx.Param, ...)
-
-            def loss(params):
-                model = nnx.merge(graphdef, params, others)
-                # The forward may update other state (batch statistics, rng counts): the step returns it.
-                return loss_fn(model, *batch), nnx.state(model, nnx.Not(nnx.Param))
-
-            (value, others), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            # NNX's own step: the gradient with respect to the nnx.Params, and whatever else the
+            # forward updates (batch statistics, rng counts) written back into the model.
+            model = nnx.merge(graphdef, state)
+            value, grads = nnx.value_and_grad(loss_fn)(model, *batch)
+            params = nnx.state(model, nnx.Param)
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return nnx.merge_state(optax.apply_updates(params, updates), others), opt_state, value
+            nnx.update(model, optax.apply_updates(params, updates))
+            return nnx.state(model), opt_state, value
 
         return step
 

@@ -266,6 +266,37 @@ def test_nnx_candidates_are_clones_with_the_users_params_and_forward():
     chex.assert_trees_all_equal(_arrays(net), before)
 
 
+class NnxDropoutBlock(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.up, self.down = nnx.Linear(width, 4 * width, rngs=rngs), nnx.Linear(4 * width, width, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x, train, *, scale=1.0):
+        return x + scale * self.down(self.dropout(nnx.gelu(self.up(x)), deterministic=not train))
+
+
+class NnxDropoutNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([NnxDropoutBlock(16, rngs) for _ in range(3)])
+
+    def __call__(self, x, train=True):
+        for block in self.blocks:
+            x = block(x, train, scale=0.5)
+        return x
+
+
+def test_nnx_remat_takes_flags_keywords_and_rng_state():
+    net = NnxDropoutNet(nnx.Rngs(0, dropout=1))
+    family = planner_nnx.Nnx(net, lambda model, x: jnp.mean(model(x) ** 2), (), None, None)
+    module = family.assemble(["remat", "remat-dots", "keep"], "keep")
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+    np.testing.assert_array_equal(module(x, train=False), net(x, train=False))
+    # The step updates the dropout's rng count inside the remat blocks.
+    opt_state = jax.eval_shape(optax.sgd(0.1).init, family.params)
+    bsr_jax.compiled_memory(family.step(module, optax.sgd(0.1)), family.state, opt_state, jax.ShapeDtypeStruct((64, 16), jnp.float32),
+                            target="h100", donate_argnums=(0, 1))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def nnx_compiled():
     return {}  # the NNX model's candidates (a cache is for one model: its keys are the choices)
