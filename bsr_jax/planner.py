@@ -299,16 +299,19 @@ class _Search:
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+        # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
+        leaves, structure = jax.tree.flatten((family.state, batch))
+        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves))
 
     def measure(self, choices: Sequence[str], rest: str) -> Measured:
         key = (tuple(choices), rest)
-        if key not in self.cache and (self.target, *key) in self.shared:
-            self.cache[key] = self.shared[(self.target, *key)]
+        if key not in self.cache and (self.scope, *key) in self.shared:
+            self.cache[key] = self.shared[(self.scope, *key)]
         if key not in self.cache:
             step = self.family.step(self.family.assemble(choices, rest), self.optimizer)
             compiled = compiled_memory(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
             measured = Measured(dict(zip(self.family.blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
-            self.cache[key] = self.shared[(self.target, *key)] = (measured, compiled)
+            self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
             if self.progress:
                 print(f"[plan] {len(self.cache):>3} compiled: {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
                       f"{compiled.modelled_seconds * 1e3:>9.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
@@ -365,7 +368,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         An NNX model carries its own state (arrays, or ``ShapeDtypeStruct``s from ``nnx.eval_shape``).
       progress: one line on stderr per compile.
       cache: a dict of compiled candidates to read and fill, shared between calls with the same
-        model, loss, batch and optimizer (e.g. several budgets); by default each call compiles anew.
+        model, loss and optimizer (e.g. several budgets); entries are kept apart by target, block
+        paths and the shapes of the variables and batch. By default each call compiles anew.
 
     Returns:
       a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
@@ -418,8 +422,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         if fits >= verify or tried >= 2 * verify:
             break
         fits, tried = fits + (search.measure(choices, rest).peak <= limit), tried + 1
-    for (target_, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
-        if target_ == target and len(key[0]) == n:
+    for (scope, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
+        if scope == search.scope:
             search.cache.setdefault(tuple(key), entry)
     allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta  # noqa: E731  (remat's figure is always compiled)
     fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]

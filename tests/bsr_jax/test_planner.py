@@ -152,6 +152,13 @@ def test_an_infeasible_budget_names_the_smallest_peak(compiled):
         planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1KiB", target="h100", cache=compiled, **FEW)
 
 
+def test_a_shared_cache_keeps_other_batch_shapes_apart(compiled):
+    half = tuple(jax.ShapeDtypeStruct((a.shape[0] // 2, *a.shape[1:]), a.dtype) for a in BATCH)
+    full = planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.8, target="h100", cache=compiled, **FEW)
+    small = planner.plan(Net(), _labels_loss, *half, optimizer=optax.adamw(1e-3), budget=0.8, target="h100", cache=compiled, **FEW)
+    assert small.dense.peak < 0.75 * full.dense.peak  # its own compiles, not the full batch's
+
+
 @pytest.mark.parametrize("kwargs,match", [(dict(target="a100"), "target must be"), (dict(options=("fast",)), "options"), (dict(rest_options=("remat",)), "rest_options"),
                                           (dict(verify=-1), "verify must be"), (dict(budget="lots"), "budget must be")])  # fmt: skip
 def test_bad_arguments_are_named(kwargs, match):
