@@ -4,7 +4,7 @@ In a language model's step the largest arrays at the peak are the head's logits 
 ``B x T x V`` each. ``bsr_jax.losses.chunked_softmax_cross_entropy`` never holds them, but it
 needs the head's input and weight, which code written the usual way never hands to its loss::
 
-    logits = self.lm_head(x)                                                  # nn.Dense, no bias
+    logits = self.lm_head(x)                                                  # nn.Dense
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 While ``recognising_head_losses(chunk)`` is active (``chunked_head_loss(loss_fn)`` runs
@@ -22,7 +22,7 @@ While ``recognising_head_losses(chunk)`` is active (``chunked_head_loss(loss_fn)
    no ``(tokens, V)`` array exists in the step.
 
 Anything else runs as written, exactly: logits sliced, reshaped, scaled, narrowed or otherwise
-computed on before the loss, a head with a bias, its own ``dot_general``, a ``precision``, a
+computed on before the loss, a head with its own ``dot_general`` or a ``precision``, a
 subclass of ``nn.Dense``/``nn.Embed`` (whose kernel may not be the stored one), a head whose
 product a ``compress_model`` rule compresses (chunking would change its weight gradient), a head
 inside ``nn.scan``/``nn.remat`` with the loss outside (its output there is another array),
@@ -67,12 +67,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclasses.dataclass(frozen=True)
 class _Head:
-    """What a head's product read: ``features (..., D)`` and ``kernel (D, V)`` in the product's
-    dtype, and the dtype its logits were rounded to."""
+    """What a head's product read: ``features (..., D)``, ``kernel (D, V)`` and ``bias (V,)`` (or
+    None) in the product's dtype, and the dtype its logits were rounded to."""
 
     features: jax.Array
     kernel: jax.Array
     logits_dtype: jnp.dtype
+    bias: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -120,12 +121,13 @@ def _head(module: nn.Module, method: str, args: tuple, kwargs: dict) -> _Head | 
     """The head a ``Dense.__call__`` / ``Embed.attend`` call computes, why it is not one, or None
     (another method or module)."""
     if isinstance(module, nn.Dense) and method == "__call__":
-        reason = _why_not(module, nn.Dense, {"use_bias": False, "dot_general": None, "dot_general_cls": None, "precision": None})
+        reason = _why_not(module, nn.Dense, {"dot_general": None, "dot_general_cls": None, "precision": None})
         if reason is not None:
             return reason
         inputs = args[0] if args else kwargs["inputs"]
-        features, kernel, _ = module.promote_dtype(inputs, nn.meta.unbox(module.get_variable("params", "kernel")), None, dtype=module.dtype)
-        return _Head(features, kernel, jnp.dtype(features.dtype))
+        params = {name: nn.meta.unbox(module.get_variable("params", name)) for name in ("kernel", "bias")}
+        features, kernel, bias = module.promote_dtype(inputs, params["kernel"], params["bias"] if module.use_bias else None, dtype=module.dtype)
+        return _Head(features, kernel, jnp.dtype(features.dtype), bias)
     if isinstance(module, nn.Embed) and method == "attend":
         reason = _why_not(module, nn.Embed, {})
         if reason is not None:
@@ -201,7 +203,7 @@ def _chunked(state: _State, logits: Any, labels: Any, axis: Any, where: Any, one
         in_range = (labels >= -vocab) & (labels < vocab)  # optax counts negative labels from the end
         ids = jnp.where(in_range, jnp.where(labels < 0, labels + vocab, labels), -1)
         dtype = logits.dtype
-    losses = chunked_softmax_cross_entropy(head.features, head.kernel, ids, chunk=state.chunk, logits_dtype=head.logits_dtype)
+    losses = chunked_softmax_cross_entropy(head.features, head.kernel, ids, chunk=state.chunk, logits_dtype=head.logits_dtype, bias=head.bias)
     if in_range is not None:
         losses = jnp.where(in_range, losses, jnp.nan)  # optax's out-of-range labels read NaN
     state.recognised += 1
@@ -299,7 +301,7 @@ def chunked_head_loss(loss_fn: F, *, chunk: int = 1024) -> F:
 
         grads = jax.grad(bsr_jax.chunked_head_loss(loss_fn, chunk=1024))(params, x, y)
 
-    The model's last ``nn.Dense`` (no bias) or ``nn.Embed.attend`` and the loss then run
+    The model's last ``nn.Dense`` or ``nn.Embed.attend`` and the loss then run
     ``chunk`` tokens at a time, never holding the ``(..., V)`` logits; what is recognised and how
     exactly is in this module's docstring. A call with nothing recognised warns.
     """

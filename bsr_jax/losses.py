@@ -37,64 +37,69 @@ from bsr_jax import sharding
 from bsr_jax.lean import LEAN_NAME
 
 
-def _logits(h: jax.Array, w: jax.Array, logits_dtype: jnp.dtype) -> jax.Array:
-    """``h (C, D) @ w (D, V)`` in h's dtype (as a Dense with ``dtype=h.dtype`` computes), accumulated
-    in f32, rounded to ``logits_dtype`` (as that Dense returns them) and returned in f32."""
-    return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32).astype(logits_dtype).astype(jnp.float32)
+def _logits(h: jax.Array, w: jax.Array, b: jax.Array | None, logits_dtype: jnp.dtype) -> jax.Array:
+    """``h (C, D) @ w (D, V) + b (V,)`` as a Dense with ``dtype=h.dtype`` computes it: the product
+    in h's dtype accumulated in f32 and rounded to ``logits_dtype``, plus the bias in that dtype;
+    returned in f32."""
+    logits = jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32).astype(logits_dtype)
+    return (logits if b is None else logits + b.astype(logits_dtype)).astype(jnp.float32)
 
 
-def _forward_chunk(h: jax.Array, w: jax.Array, labels: jax.Array, logits_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+def _forward_chunk(h, w, b, labels, logits_dtype) -> tuple[jax.Array, jax.Array]:
     """Per-token ``(loss, logsumexp)`` of one chunk, f32 ``(C,)`` each; negative labels give loss 0."""
-    logits = _logits(h, w, logits_dtype)
+    logits = _logits(h, w, b, logits_dtype)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[:, None], axis=-1)[:, 0]
     return jnp.where(labels >= 0, lse - picked, 0.0), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_losses(h: jax.Array, w: jax.Array, labels: jax.Array, logits_dtype: jnp.dtype) -> jax.Array:
-    """``h (n, C, D)``, ``w (D, V)``, ``labels (n, C)`` int32 -> losses f32 ``(n, C)``."""
-    return _fwd(h, w, labels, logits_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_losses(h: jax.Array, w: jax.Array, b: jax.Array | None, labels: jax.Array, logits_dtype: jnp.dtype) -> jax.Array:
+    """``h (n, C, D)``, ``w (D, V)``, ``b (V,)`` or None, ``labels (n, C)`` int32 -> losses f32 ``(n, C)``."""
+    return _fwd(h, w, b, labels, logits_dtype)[0]
 
 
-def _fwd(h, w, labels, logits_dtype):
+def _fwd(h, w, b, labels, logits_dtype):
     def body(_, chunk):
         h_c, labels_c = chunk
-        return None, _forward_chunk(h_c, w, labels_c, logits_dtype)
+        return None, _forward_chunk(h_c, w, b, labels_c, logits_dtype)
 
     _, (losses, lse) = jax.lax.scan(body, None, (h, labels))
     # Named as a small value worth keeping: inside a jax.checkpoint with bsr_jax.lean_graph's policy
     # (compress_model's), which keeps products, the lse is kept, not every chunk's logits to
     # recompute it from.
     lse = checkpoint_name(lse, LEAN_NAME)
-    return losses, (h, w, labels, lse)
+    return losses, (h, w, b, labels, lse)
 
 
 def _bwd(logits_dtype, residuals, g):
-    h, w, labels, lse = residuals
+    h, w, b, labels, lse = residuals
     vocab = w.shape[1]
 
-    def body(dw, chunk):
+    def body(sums, chunk):
+        dw, db = sums
         h_c, labels_c, lse_c, g_c = chunk
-        probs = jnp.exp(_logits(h_c, w, logits_dtype) - lse_c[:, None])
+        probs = jnp.exp(_logits(h_c, w, b, logits_dtype) - lse_c[:, None])
         onehot = jnp.arange(vocab)[None, :] == labels_c[:, None]
         dlogits = (probs - onehot) * jnp.where(labels_c >= 0, g_c, 0.0)[:, None]  # f32 (C, V)
         dlogits = dlogits.astype(h.dtype)  # what autodiff of a Dense in h's dtype would carry
         dh = jnp.dot(dlogits, w.astype(h.dtype).T, preferred_element_type=jnp.float32).astype(h.dtype)
-        return dw + jnp.dot(h_c.T, dlogits, preferred_element_type=jnp.float32), dh
+        dw = dw + jnp.dot(h_c.T, dlogits, preferred_element_type=jnp.float32)
+        return (dw, None if b is None else db + dlogits.astype(jnp.float32).sum(0)), dh
 
-    # Inside shard_map the accumulator must vary over the manual axes its updates vary over.
+    # Inside shard_map the accumulators must vary over the manual axes their updates vary over.
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in (h, w, labels, lse, g)))
-    dw, dh = jax.lax.scan(body, sharding.vary_over(jnp.zeros(w.shape, jnp.float32), varying), (h, labels, lse, g))
-    return dh, dw.astype(w.dtype), None
+    zeros = [None if a is None else sharding.vary_over(jnp.zeros(a.shape, jnp.float32), varying) for a in (w, b)]
+    (dw, db), dh = jax.lax.scan(body, tuple(zeros), (h, labels, lse, g))
+    return dh, dw.astype(w.dtype), None if b is None else db.astype(b.dtype), None
 
 
 _chunked_losses.defvjp(_fwd, _bwd)
 
 
 def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, chunk: int = 1024,
-                                  logits_dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:  # fmt: skip
-    """Per-token ``softmax_cross_entropy(h @ w, labels)`` without the ``(..., V)`` logits array.
+                                  logits_dtype: jax.typing.DTypeLike = jnp.float32, bias: jax.Array | None = None) -> jax.Array:  # fmt: skip
+    """Per-token ``softmax_cross_entropy(h @ w + bias, labels)`` without the ``(..., V)`` logits array.
 
     Args:
       h: features ``(..., D)``, any float dtype (e.g. a model's bf16 final-norm output); the
@@ -106,10 +111,13 @@ def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array,
       logits_dtype: a float dtype the logits are rounded to before the softmax (in f32): the head's
         output dtype, e.g. ``jnp.bfloat16`` for a bf16 ``nn.Dense``, whose plain loss reads bf16
         logits. The default (f32) rounds nothing.
+      bias: the head's bias ``(V,)`` or None; added in ``logits_dtype`` after the product's
+        rounding, as ``nn.Dense`` adds it; its gradient (summed over chunks in f32) comes back in
+        its dtype.
 
     Returns:
       f32 ``(...)``: each token's ``logsumexp(logits) - logits[label]`` (0 where the label is
-      negative). Differentiable in ``h`` and ``w``.
+      negative). Differentiable in ``h``, ``w`` and ``bias``.
     """
     if h.ndim < 1 or h.shape[:-1] != labels.shape:
         raise ValueError(f"h must be (..., D) with labels (...): got h {h.shape}, labels {labels.shape}")
@@ -119,6 +127,8 @@ def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array,
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise ValueError(f"labels must be integers, got {labels.dtype}")
+    if bias is not None and bias.shape != (w.shape[1],):
+        raise ValueError(f"bias must be (V,) with V = w.shape[1] = {w.shape[1]}, got {bias.shape}")
     if not jnp.issubdtype(logits_dtype, jnp.floating):
         raise ValueError(f"logits_dtype must be a float dtype (e.g. jnp.bfloat16, jnp.float32), got {logits_dtype!r}")
     features = h.reshape(-1, h.shape[-1])
@@ -129,6 +139,6 @@ def chunked_softmax_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array,
     if pad:  # padding tokens carry label -1: no loss, no gradient
         features = jnp.pad(features, ((0, pad), (0, 0)))
         flat = jnp.pad(flat, (0, pad), constant_values=-1)
-    losses = _chunked_losses(features.reshape(-1, chunk, h.shape[-1]), w, flat.reshape(-1, chunk), jnp.dtype(logits_dtype))
+    losses = _chunked_losses(features.reshape(-1, chunk, h.shape[-1]), w, bias, flat.reshape(-1, chunk), jnp.dtype(logits_dtype))
     return losses.reshape(-1)[:count].reshape(labels.shape)
 

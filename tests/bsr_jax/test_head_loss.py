@@ -64,6 +64,7 @@ class Llama(nn.Module):
     vocab: int = V
     dim: int = 32
     cast: jnp.dtype | None = None  # what the logits are cast to after the head
+    head_bias: bool = False  # flax's lm1b example: the head has a bias
 
     @nn.compact
     def __call__(self, tokens):
@@ -72,7 +73,7 @@ class Llama(nn.Module):
         h = rms(x, "norm_0")
         gate, up = (nn.Dense(2 * self.dim, use_bias=False, dtype=jnp.bfloat16, name=n)(h) for n in ("gate", "up"))
         x = x + nn.Dense(self.dim, use_bias=False, dtype=jnp.bfloat16, name="down")(nn.silu(gate) * up)
-        logits = nn.Dense(self.vocab, use_bias=False, dtype=jnp.bfloat16, name="lm_head")(rms(x, "norm"))
+        logits = nn.Dense(self.vocab, use_bias=self.head_bias, dtype=jnp.bfloat16, name="lm_head")(rms(x, "norm"))
         return logits if self.cast is None else logits.astype(self.cast)
 
 
@@ -126,10 +127,11 @@ def test_nanogpt_loss_inside_the_model(dtype, rtol, loss_rtol, compressed):
     assert_close(chunked, plain, rtol, loss_rtol)
 
 
-@pytest.mark.parametrize("labels", [integer_loss, one_hot_loss])
-def test_llama_loss_outside_the_model_through_the_function_transform(labels):
-    """bf16 logits cast to f32 before the loss (a widening cast keeps them recognised)."""
-    model = Llama(cast=jnp.float32)
+@pytest.mark.parametrize("labels, head_bias", [(integer_loss, False), (one_hot_loss, False), (integer_loss, True)])
+def test_llama_loss_outside_the_model_through_the_function_transform(labels, head_bias):
+    """bf16 logits cast to f32 before the loss (a widening cast keeps them recognised); a head
+    with a bias (flax's lm1b) too."""
+    model = Llama(cast=jnp.float32, head_bias=head_bias)
     x, y = batch()
     params = init(model, x)
     loss = labels(model)
