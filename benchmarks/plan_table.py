@@ -62,32 +62,36 @@ def _jax_remat(rows, name, target, limit_ratio):
     return min(fits) if fits else ("none fits", None, None)
 
 
-def measure(name, target, budgets, options, cache, remat_rows):
-    """Yields one row per budget, as each plan is made."""
+def measure(name, target, budgets, options, cache, remat_rows, loss_chunk=0, plain=None):
+    """Yields one row per budget, as each plan is made. With ``loss_chunk`` the loss runs through
+    ``bsr_jax.chunked_head_loss`` and budgets and ratios refer to ``plain``, the plain loss's dense
+    step (``{"peak_mib", "ms"}``), so that both rows answer the same budget in bytes."""
     model, shape, _, context = cm.MODELS[name]("dense")
     x, y = _batch(shape)
+    loss_fn = bsr_jax.chunked_head_loss(_loss_fn, chunk=loss_chunk) if loss_chunk else _loss_fn
     with context:
         for budget in budgets:
             start = time.time()
             try:
-                p = planner.plan(model, _loss_fn, x, y, optimizer=optax.adamw(1e-3), budget=budget, target=target,
-                                 options=options, cache=cache)  # fmt: skip
+                p = planner.plan(model, loss_fn, x, y, optimizer=optax.adamw(1e-3), target=target, options=options, cache=cache,
+                                 budget=int(budget * plain["peak_mib"] * 2**20) if plain else budget)  # fmt: skip
             except ValueError as e:
-                yield dict(model=name, target=target, budget=budget, error=str(e))
+                yield dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, error=str(e))
                 continue
+            dense_mib, dense_ms = (plain["peak_mib"], plain["ms"]) if plain else (p.dense.peak / 2**20, p.dense.seconds * 1e3)
             uniform_remat = [m for m in p.tried if set(v for k, v in m.choices.items() if k != planner.REST) <= set(REMAT_SETTINGS)
                              and len(set(m.choices.values()) - {"keep"}) == 1 and m.peak <= p.budget]  # fmt: skip
             best_uniform = min(uniform_remat, key=lambda m: m.seconds, default=None)
             jax_remat = _jax_remat(remat_rows, name, target, budget)
             print(p, file=sys.stderr)
             yield dict(
-                model=name, target=target, budget=budget, peak_ratio=p.peak / p.dense.peak, time_ratio=p.modelled_seconds / p.dense.seconds,
-                peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3, dense_mib=p.dense.peak / 2**20, dense_ms=p.dense.seconds * 1e3,
-                chosen=p.label,
+                model=name, target=target, budget=budget, loss_chunk=loss_chunk, peak_ratio=p.peak / 2**20 / dense_mib,
+                time_ratio=p.modelled_seconds * 1e3 / dense_ms, peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3,
+                dense_mib=dense_mib, dense_ms=dense_ms, chosen=p.label,
                 compiles=len(p.tried), seconds=time.time() - start, options=list(options),
                 uniform_remat=None if best_uniform is None else dict(
                     label=best_uniform.label,
-                    peak_ratio=best_uniform.peak / p.dense.peak, time_ratio=best_uniform.seconds / p.dense.seconds),
+                    peak_ratio=best_uniform.peak / 2**20 / dense_mib, time_ratio=best_uniform.seconds * 1e3 / dense_ms),
                 jax_remat=None if jax_remat is None else dict(setting=jax_remat[2] or jax_remat[0], time_ratio=jax_remat[0] if jax_remat[1] else None,
                                                               peak_ratio=jax_remat[1]),
             )  # fmt: skip
@@ -96,14 +100,15 @@ def measure(name, target, budgets, options, cache, remat_rows):
 def table(rows):
     lines = ["| model | target | budget | plan peak | plan time | chosen | nn.remat best within budget (peak / time) | uniform remat via compress_model (peak / time) | compiles | search |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["budget"])):
+    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r.get("loss_chunk", 0), r["budget"])):
+        model = r["model"] + (f" + chunked loss ({r['loss_chunk']})" if r.get("loss_chunk") else "")
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | - | - | {r['error'][:120]} | | | | |")
+            lines.append(f"| {model} | {r['target']} | {r['budget']} | - | - | {r['error'][:120]} | | | | |")
             continue
         j, u = r["jax_remat"], r["uniform_remat"]
         jt = "-" if j is None else (j["setting"] if j["time_ratio"] is None else f"{j['setting']}: {j['peak_ratio']:.2f} / {j['time_ratio']:.2f}")
         ut = "none fits" if u is None else f"{u['label'].split(',')[0]}: {u['peak_ratio']:.2f} / {u['time_ratio']:.2f}"
-        lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | {r['peak_ratio']:.2f} | {r['time_ratio']:.2f} | {r['chosen']} | {jt} | {ut} | {r['compiles']} | {r['seconds'] / 60:.0f} min |")
+        lines.append(f"| {model} | {r['target']} | {r['budget']} | {r['peak_ratio']:.2f} | {r['time_ratio']:.2f} | {r['chosen']} | {jt} | {ut} | {r['compiles']} | {r['seconds'] / 60:.0f} min |")
     return "\n".join(lines)
 
 
@@ -113,6 +118,8 @@ def main(argv=None):
     parser.add_argument("--targets", nargs="+", choices=cm.DEVICELESS_TARGETS, default=list(cm.DEVICELESS_TARGETS))
     parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     parser.add_argument("--options", nargs="+", choices=list(planner.OPTIONS), default=list(planner.OPTIONS))
+    parser.add_argument("--loss-chunk", type=int, default=0, help="the loss through bsr_jax.chunked_head_loss with this chunk; "
+                        "budgets and ratios against the plain loss's dense step, from that model's plain rows (default: 0, plain)")
     parser.add_argument("--out", default="benchmarks/results/plan_table.json")
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args(argv)
@@ -123,11 +130,15 @@ def main(argv=None):
         remat_rows = json.load(open(remat_path))["runs"] if os.path.exists(remat_path) else []
         for name in args.models:
             for target in args.targets:
-                todo = [b for b in args.budgets if not any(r["model"] == name and r["target"] == target and r["budget"] == b for r in saved["rows"])]
+                mine = [r for r in saved["rows"] if r["model"] == name and r["target"] == target]
+                todo = [b for b in args.budgets if not any(r["budget"] == b and r.get("loss_chunk", 0) == args.loss_chunk for r in mine)]
                 if not todo:
                     continue
+                plain = next(({"peak_mib": r["dense_mib"], "ms": r["dense_ms"]} for r in mine if "dense_mib" in r and not r.get("loss_chunk")), None)
+                if args.loss_chunk and plain is None:
+                    sys.exit(f"--loss-chunk: no plain row of {name} on {target} in {args.out} to take the dense step from; run without it first")
                 print(f"{name} {target} budgets {todo} ...", file=sys.stderr, flush=True)
-                for row in measure(name, target, todo, tuple(args.options), {}, remat_rows):
+                for row in measure(name, target, todo, tuple(args.options), {}, remat_rows, args.loss_chunk, plain if args.loss_chunk else None):
                     row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
                     saved["rows"].append(row)
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
