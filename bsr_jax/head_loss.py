@@ -142,11 +142,34 @@ def _record_heads(next_fun, args, kwargs, context):
     """A linen method interceptor: records each head's output with what its product read."""
     out = next_fun(*args, **kwargs)
     state = _state()
-    if state is not None and not context.module.is_initializing():
+    # Unbound modules (a method called outside apply, e.g. while a transform inspects the model) compute no step.
+    if state is not None and context.module.scope is not None and not context.module.is_initializing():
         head = _head(context.module, context.method_name, args, kwargs)
         if head is not None:
             state.heads[id(out)] = (out, head)
     return out
+
+
+def carried(outputs: list[Any]) -> tuple[list[tuple[int, _Head | str]], list[jax.Array]]:
+    """For a function whose ``outputs`` another evaluation will replace (``bsr_jax.lean_graph``
+    evaluates a traced model again): the recorded heads among them, by output index, and the arrays
+    those heads read, to be returned beside the outputs so their replacements can be recorded
+    (``recarry``)."""
+    state = _state()
+    heads = [(i, e) for i, o in enumerate(outputs) if state is not None and (e := _entry(state, o)) is not None]
+    arrays = [a for _, h in heads if isinstance(h, _Head) for a in (h.features, h.kernel, h.bias) if a is not None]
+    return heads, arrays
+
+
+def recarry(outputs: list[Any], heads: list[tuple[int, _Head | str]], arrays: list[Any]) -> None:
+    """Record the re-evaluated ``outputs`` as the heads ``carried`` found, reading ``arrays``, the
+    re-evaluated arrays it returned."""
+    state, it = _state(), iter(arrays)
+    for i, head in heads:
+        if isinstance(head, _Head):
+            features, kernel = next(it), next(it)
+            head = _Head(features, kernel, head.logits_dtype, None if head.bias is None else next(it))
+        state.heads[id(outputs[i])] = (outputs[i], head)
 
 
 # ----------------------------------------------------------------------------- replaced functions

@@ -58,6 +58,7 @@ from jax._src import core as jax_core
 from jax._src import source_info_util
 from jax._src.ad_checkpoint import name_p
 
+from bsr_jax import head_loss
 from bsr_jax.dx import stored_compressed
 from bsr_jax.format import RESIDUAL_NAME
 from bsr_jax.lean import LEAN_NAME
@@ -372,8 +373,15 @@ def lean_call(fn: Callable[..., Any], *args: Any, treatment: Treatment = Treatme
         call_args, call_kwargs = jax.tree.unflatten(treedef, [next(it) if a else leaf for leaf, a in zip(leaves, is_array)])
         out_leaves, result["tree"] = jax.tree.flatten(fn(*call_args, **call_kwargs))
         result["static"] = [_COMPUTED if isinstance(o, jax.Array) else o for o in out_leaves]
-        return [o for o in out_leaves if isinstance(o, jax.Array)]
+        outs = [o for o in out_leaves if isinstance(o, jax.Array)]
+        # A head whose logits the caller's loss may chunk (bsr_jax.head_loss) reads arrays inside:
+        # returned too, so the evaluated logits can be recorded with the evaluated head's operands.
+        result["heads"], head_arrays = head_loss.carried(outs)
+        return outs + head_arrays
 
     closed = jax.make_jaxpr(traced)(*arrays)
-    computed = iter(evaluate(closed.jaxpr, closed.consts, arrays, treatment))
+    values = evaluate(closed.jaxpr, closed.consts, arrays, treatment)
+    count = sum(s is _COMPUTED for s in result["static"])
+    head_loss.recarry(values[:count], result["heads"], values[count:])
+    computed = iter(values[:count])
     return jax.tree.unflatten(result["tree"], [next(computed) if s is _COMPUTED else s for s in result["static"]])

@@ -184,10 +184,27 @@ def test_compress_model_warns_where_nothing_is_recognised_and_is_off_by_default(
         chunked_head_loss(integer_loss(llama), chunk=0)
 
 
-def test_h100_step_holds_no_logits_at_its_peak():
-    """The compiled H100 step of a model whose logits dominate: the (B*T, V) arrays are gone."""
+def test_a_compressed_models_head_is_recognised_through_its_lean_evaluation():
+    """compress_model's lean neighbours evaluate the traced model again (bsr_jax.lean_graph): the
+    head's record follows its logits out; gradients are the compressed model's plain ones."""
+    x, y = batch()
+    rules = [bsr_jax.Rule("lm_head", None), bsr_jax.Rule("*", bsr_jax.Pruning(0.0, block=16, storage_dtype="int4"))]
+    model = bsr_jax.compress_model(Llama(cast=jnp.float32), rules, remat=[("down", None)])
+    params = init(Llama(), x)
+    loss = integer_loss(model)
+    plain = jax.jit(jax.value_and_grad(loss))(params, x, y)
+    chunked = no_warnings(jax.jit(jax.value_and_grad(chunked_head_loss(loss, chunk=8))), params, x, y)
+    assert_close(chunked, plain, rtol=1e-2, loss_rtol=1e-6)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_h100_step_holds_no_logits_at_its_peak(compressed):
+    """The compiled H100 step of a model whose logits dominate: the (B*T, V) arrays are gone (the
+    model as written, and compress_model'd with its lean neighbours)."""
     vocab, rows, tokens = 16384, 4, 512  # bf16 logits 64 MiB: above cuBLAS's 32 MiB workspace
     model = Llama(vocab=vocab, cast=jnp.float32)
+    if compressed:
+        model = bsr_jax.compress_model(model, [bsr_jax.Rule("lm_head", None), bsr_jax.Rule("*", bsr_jax.Pruning(0.0, block=16, storage_dtype="int4"))])
     x, y = batch(vocab, tokens, rows)
     params = jax.eval_shape(model.init, jax.random.key(0), x)
     loss = integer_loss(model)
