@@ -25,7 +25,8 @@ uncompiled: a plan's peak and time are those of its own compiled step. Approxima
 (``int8``/``int4`` dW, ``int4-dx8`` dx, ``topk``) change gradients within the bounds documented in
 docs/memory.md; ``options=EXACT`` restricts the search to exact ones.
 
-``flax.nnx`` models (``bsr_jax.planner_nnx``) take the same search over blocks found in their
+Linen models' blocks and candidates are ``bsr_jax.planner_linen``'s; ``flax.nnx`` models
+(``bsr_jax.planner_nnx``) take the same search over blocks found in their
 module graph (an ``nnx.List`` of blocks, ``block_0, block_1``), each candidate built on a clone:
 per block keep, int8/int4/topk (compression only, no lean neighbours) and the remat options; for
 the rest keep or int4. ``lean``/``int4-dx8`` per block and a lean rest are linen's (rules by
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -45,138 +45,11 @@ import flax.linen as nn
 import jax
 import optax
 from flax import nnx
-from jax._src import core as jax_core
 
+from bsr_jax import planner_nnx
 from bsr_jax.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory
-from bsr_jax.compress import compress_model
-from bsr_jax.format import Pruning
-from bsr_jax.report import module_path
-from bsr_jax.rules import Rule
-
-REST = "(rest)"  # the choices' key for everything outside the blocks
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """What one block does: its layers' compression (``None``: exact dW), lean neighbours, an
-    approximate-dx format, or a remat policy (``remat=True``: the whole block under
-    ``jax.checkpoint(policy=policy)``, ``policy=None`` keeping nothing)."""
-
-    compression: Pruning | None = None
-    lean: bool = True
-    dx: str | None = None
-    remat: bool = False
-    policy: Callable[..., bool] | None = None
-    exact: bool = True
-
-
-_INT4 = Pruning(0.0, block=16, storage_dtype="int4")
-OPTIONS: Mapping[str, Option] = {
-    "keep": Option(lean=False),
-    "lean": Option(),
-    "int8": Option(Pruning(0.0, block=16, storage_dtype="int8"), exact=False),
-    "int4": Option(_INT4, exact=False),
-    "int4-dx8": Option(_INT4, dx="int8", exact=False),
-    "topk": Option(Pruning(0.7, block=16), exact=False),
-    "remat": Option(remat=True),
-    "remat-dots": Option(remat=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-    "remat-dots-all": Option(remat=True, policy=jax.checkpoint_policies.dots_saveable),
-    "remat-offload": Option(remat=True, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
-}
-EXACT = tuple(name for name, option in OPTIONS.items() if option.exact)
-REST_OPTIONS = ("keep", "lean", "int4")
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_budget(budget: int | float | str) -> tuple[str, float]:
-    """``("bytes", n)`` or ``("fraction", f)`` (of the dense step's peak) from ``12 * 2**30``,
-    ``"12GiB"``, ``"800MB"``, ``0.5`` or ``"0.5"``; a ``ValueError`` naming the forms otherwise."""
-    value, unit = budget, None
-    if isinstance(budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([a-zA-Z]*)\s*", budget)
-        if match is not None and match.group(2).upper() in _UNITS:
-            value, unit = float(match.group(1)), match.group(2).upper()
-    if isinstance(value, float) and unit in (None, "") and 0 < value <= 1:
-        return "fraction", value
-    if (isinstance(value, int) or unit is not None) and not isinstance(value, bool) and value * _UNITS[unit or ""] > 1:
-        return "bytes", float(value * _UNITS[unit or ""])
-    raise ValueError("budget must be bytes (int), a size string like '12GiB' or '800MB', or a fraction of the dense "
-                     f"step's peak in (0, 1], got {budget!r}")  # fmt: skip
-
-
-def _walk(jaxpr: Any, scale: int = 1) -> Any:
-    """``(equation, its jaxpr's trip count)`` for every equation, nested ones too."""
-    for eqn in jaxpr.eqns:
-        yield eqn, scale
-        inner = scale * eqn.params["length"] if eqn.primitive is jax.lax.scan_p else scale
-        for sub in jax_core.jaxprs_in_params(eqn.params):
-            yield from _walk(sub, inner)
-
-
-def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
-    """The repeated blocks of a traced model: ``(paths, scanned)``. Siblings whose names differ
-    only in a trailing number (``MixerBlock_3``, ``h/7``) and that have submodules form a group;
-    the group whose equations
-    count most (times the trip count of the loops they run in) wins; a ``nn.scan``'s layer (the
-    common module of its body's equations) counts as one block run ``length`` times."""
-    weight: dict[str, int] = {}
-    scans: dict[str, int] = {}
-    for eqn, scale in _walk(jaxpr):
-        parts = module_path(eqn.source_info.name_stack, frozenset({root})).split("/")
-        for depth in range(1, len(parts) + 1):
-            prefix = "/".join(parts[:depth])
-            weight[prefix] = weight.get(prefix, 0) + scale
-        if eqn.primitive is jax.lax.scan_p:
-            body = [module_path(e.source_info.name_stack, frozenset({root})).split("/")[0] for e, _ in _walk(eqn.params["jaxpr"].jaxpr)]
-            if body and all(p == body[0] and p for p in body):
-                scans[body[0]] = eqn.params["length"]
-    groups: dict[tuple[str, str], list[str]] = {}
-    for path in weight:
-        if not path:
-            continue
-        parent, _, name = path.rpartition("/")
-        stem = re.sub(r"_?\d+$", "", name)
-        if stem != name:
-            groups.setdefault((parent, stem), []).append(path)
-    # A block has submodules of its own: a row of single layers (Dense_0, Dense_1) is not a block.
-    composite = {path.rpartition("/")[0] for path in weight}
-    candidates = [(sum(weight[p] for p in paths), tuple(sorted(paths, key=_natural)), False)
-                  for paths in groups.values() if len(paths) > 1 and all(p in composite for p in paths)]  # fmt: skip
-    candidates += [(weight.get(path, 0), (path,), True) for path in scans]
-    if not candidates:
-        raise ValueError("plan: found no repeated blocks (siblings named name_0, name_1, ... or a nn.scan's layer) in the model")
-    _, paths, scanned = max(candidates, key=lambda c: c[0])
-    return paths, scanned
-
-
-def _natural(path: str) -> tuple:
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path))
-
-
-def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], rest: str = "keep") -> nn.Module:
-    """``model`` with block ``blocks[i]`` treated as ``OPTIONS[choices[i]]`` and everything else as
-    ``OPTIONS[rest]`` (``compress_model`` with rules, lean modes, dx and remat by path); ``model``
-    itself where everything is kept."""
-    if set(choices) <= {"keep"} and rest == "keep":
-        return model
-    rules, lean, dx, remat = [], [], [], []
-    for block, name in zip(blocks, choices):
-        option = OPTIONS[name]
-        inside = (block, f"{block}/*")
-        # Every block gets its own rule, exact ones too: the rest's rule ("*") is for what lies
-        # outside the blocks (a kept or remat block under a rest of int4 stays exact).
-        rules.append(Rule(f"{block}/*", option.compression))
-        if option.remat:
-            remat.append((block, option.policy))
-            continue
-        lean += [(p, option.lean) for p in inside]
-        dx += [(p, option.dx) for p in inside]
-    rest_option = OPTIONS[rest]
-    rules.append(Rule("*", rest_option.compression))
-    lean.append(("*", rest_option.lean))
-    dx.append(("*", None))
-    any_dx = any(fmt for _, fmt in dx)
-    return compress_model(model, rules, lean=lean, dx=dx if any_dx else None, remat=remat)
+from bsr_jax.planner_linen import Linen, assemble, find_blocks
+from bsr_jax.planner_options import EXACT, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,13 +108,8 @@ class Plan:
         lines.append(f"    {'everything else':<40} {self.choices[REST]}")
         return "\n".join(lines)
 
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
-
-
 class Family(Protocol):
-    """What differs between linen models (``_Linen``) and NNX ones (``bsr_jax.planner_nnx.Nnx``)
+    """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planner_nnx.Nnx``)
     for ``plan``, whose search is the same for both. Constructed as ``(model, loss_fn, batch,
     variables, init_args)``; ``assemble(choices, rest)``: the model with ``blocks[i]`` as
     ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer)``:
@@ -257,39 +125,6 @@ class Family(Protocol):
     def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
 
     def step(self, module: Any, optimizer: optax.GradientTransformation) -> Callable[..., Any]: ...
-
-
-class _Linen:
-    """A linen model: blocks from its traced loss, candidates from ``assemble``, its variables as the state."""
-
-    name = "flax.linen"
-    unavailable: Mapping[str, str] = {}
-    rest_unavailable: Mapping[str, str] = {}
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., jax.Array], batch: Sequence[Any], variables: Any,
-                 init_args: Sequence[Any] | None):  # fmt: skip
-        if variables is None:
-            args = _abstract(tuple(init_args) if init_args is not None else batch[:1])
-            variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)))
-        self.model, self.loss_fn, self.state = model, loss_fn, _abstract(variables)
-        self.params = self.state["params"]
-        traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(self.state, *batch)
-        self.blocks = find_blocks(traced.jaxpr, type(model).__name__)[0]
-
-    def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
-        return assemble(self.model, self.blocks, choices, rest)
-
-    def step(self, module: nn.Module, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-        loss_fn = self.loss_fn
-
-        def step(variables, opt_state, *batch):
-            others = {k: v for k, v in variables.items() if k != "params"}
-            value, grads = jax.value_and_grad(lambda p: loss_fn(module, others | {"params": p}, *batch))(variables["params"])
-            updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
-            return others | {"params": optax.apply_updates(variables["params"], updates)}, opt_state, value
-
-        return step
-
 
 class _Search:
     """Compiles candidates (cached by their choices) and remembers them in order."""
@@ -387,10 +222,10 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         raise ValueError(f"verify must be an int >= 0, got {verify!r}")
     if not isinstance(model, (nn.Module, nnx.Module)):
         raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
-    family_type = _Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
+    family_type = Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
     options = _available("options", options, tuple(OPTIONS), family_type)
     rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type)
-    batch = _abstract(example_batch)
+    batch = abstract(example_batch)
     family: Family = family_type(model, loss_fn, batch, variables, init_args)
     search = _Search(family, batch, optimizer, target, progress, cache)
     blocks = family.blocks
@@ -437,7 +272,4 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
 
 
-__all__ = ["EXACT", "OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
-
-# Last: planner_nnx builds on the names above (imported here, bsr_jax.planner_nnx exists after `import bsr_jax`).
-from bsr_jax import planner_nnx  # noqa: E402
+__all__ = ["EXACT", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]

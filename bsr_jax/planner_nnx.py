@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from bsr_jax.compress import REPORTED_NNX, ROUTED_NNX, ROUTED_NNX_CONV, compress_model
-from bsr_jax.planner import OPTIONS, _abstract, _natural
+from bsr_jax.planner_options import OPTIONS, abstract, natural
 from bsr_jax.rules import Rule, nnx_module_paths
 
 _BY_PATH = "needs compress_model's lean and dx rules by module path, which are linen's"
@@ -51,7 +51,7 @@ def find_blocks(model: nnx.Module) -> tuple[str, ...]:
         raise ValueError("plan: found no repeated blocks in the NNX model (sibling modules with submodules: "
                          "an nnx.List of blocks, or attributes block_0, block_1, ...)")  # fmt: skip
     best = max(candidates, key=lambda paths: sum(_size(modules[p]) for p in paths))
-    return tuple(sorted(best, key=_natural))
+    return tuple(sorted(best, key=natural))
 
 
 def _size(module: nnx.Module) -> int:
@@ -109,7 +109,7 @@ class Nnx:
             raise ValueError("variables and init_args are for linen models: an NNX model carries its own state")
         self.model, self.loss_fn = model, loss_fn
         self.blocks = find_blocks(model)
-        self.state, self.params = _abstract(nnx.state(model)), _abstract(nnx.state(model, nnx.Param))
+        self.state, self.params = abstract(nnx.state(model)), abstract(nnx.state(model, nnx.Param))
         # compress_model raises on a rule that matches no layer: rules go only where layers are.
         layers = [path for path, module in nnx_module_paths(model) if isinstance(module, _MATCHED)]
         self.with_layers = {block for block in self.blocks if any(p.startswith(block + "/") for p in layers)}
