@@ -205,16 +205,11 @@ def _live_at_peak(dump_dir: str) -> tuple[tuple[LiveBuffer, ...], int | None]:
     return tuple(sorted((b for b in found if b.bytes), key=lambda b: -b.bytes)), live_peak
 
 
-def compile_for(
-    fn: Callable[..., Any],
-    *args: Any,
-    target: str = "host",
-    devices: int = 1,
-    donate_argnums: int | tuple[int, ...] = (),
-    options: dict[str, Any] | None = None,
-) -> jax.stages.Compiled:
-    """``fn(*args)`` compiled for ``target`` (nothing runs), as ``compiled_memory`` compiles it;
-    ``options`` are extra XLA compile options. Read the program with ``.as_text()``."""
+def lower_for(
+    fn: Callable[..., Any], *args: Any, target: str = "host", devices: int = 1, donate_argnums: int | tuple[int, ...] = ()
+) -> jax.stages.Lowered:
+    """``fn(*args)`` lowered for ``target``, as ``compile_for`` lowers it: cheap beside compiling,
+    and two lowerings with the same ``as_text()`` compile to the same program."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     if not isinstance(devices, int) or devices < 1:
@@ -222,8 +217,25 @@ def compile_for(
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
     if target != "host":
         args = _placed(args, target_mesh(target, devices))
+    return jitted.lower(*args)
+
+
+def compile_for(
+    fn: Callable[..., Any] | jax.stages.Lowered,
+    *args: Any,
+    target: str = "host",
+    devices: int = 1,
+    donate_argnums: int | tuple[int, ...] = (),
+    options: dict[str, Any] | None = None,
+) -> jax.stages.Compiled:
+    """``fn(*args)`` compiled for ``target`` (nothing runs), as ``compiled_memory`` compiles it;
+    ``fn`` may be ``lower_for``'s result (then ``args`` are unused). ``options`` are extra XLA
+    compile options. Read the program with ``.as_text()``."""
+    lowered = fn if isinstance(fn, jax.stages.Lowered) else lower_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums)
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     options = (dict(_GPU_OPTIONS) if target == "h100" else {}) | (options or {})
-    return jitted.lower(*args).compile(options or None)
+    return lowered.compile(options or None)
 
 
 def compiled_memory(
@@ -237,7 +249,8 @@ def compiled_memory(
     """Compile ``fn(*args)`` for ``target`` (nothing runs) and read XLA's memory plan and cost.
 
     Args:
-      fn: a function or a ``jax.jit``-ed one (then ``donate_argnums`` is its own).
+      fn: a function or a ``jax.jit``-ed one (then ``donate_argnums`` is its own), or
+        ``lower_for``'s result for the same ``target`` (then ``args`` are unused).
       *args: arrays or ``jax.ShapeDtypeStruct``; placed replicated on ``devices`` devices of the
         target unless they carry a ``NamedSharding`` already (build one on ``target_mesh``).
       target: ``"host"`` (this machine's backend), ``"h100"`` (XLA:GPU for an H100 SXM) or

@@ -36,6 +36,7 @@ path), and blocks stacked for ``nnx.scan`` are not supported.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -47,7 +48,7 @@ import optax
 from flax import nnx
 
 from bsr_jax import planner_nnx
-from bsr_jax.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory
+from bsr_jax.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory, lower_for
 from bsr_jax.planner_linen import Linen, assemble, find_blocks
 from bsr_jax.planner_options import EXACT, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 
@@ -134,6 +135,7 @@ class _Search:
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+        self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
         # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
         leaves, structure = jax.tree.flatten((family.state, batch))
         self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves))
@@ -144,12 +146,18 @@ class _Search:
             self.cache[key] = self.shared[(self.scope, *key)]
         if key not in self.cache:
             step = self.family.step(self.family.assemble(choices, rest), self.optimizer)
-            compiled = compiled_memory(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            # Different choices can make the same program (dots_saveable where no product has batch
+            # axes is dots_with_no_batch_dims_saveable): lowering is cheap, compiling is not.
+            program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+            same = self.programs.get(program)
+            compiled = same[1] if same else compiled_memory(lowered, target=self.target)
             measured = Measured(dict(zip(self.family.blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
+            self.programs.setdefault(program, (measured.label, compiled))
             self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
             if self.progress:
-                print(f"[plan] {len(self.cache):>3} compiled: {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
-                      f"{compiled.modelled_seconds * 1e3:>9.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
+                print(f"[plan] {len(self.cache):>3} {'same as ' + same[0] if same else 'compiled'}: {measured.label:<44} "
+                      f"{compiled.peak / 2**20:>10,.0f} MiB {compiled.modelled_seconds * 1e3:>9.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
         return self.cache[key][0]
 
 

@@ -152,6 +152,16 @@ def test_an_infeasible_budget_names_the_smallest_peak(compiled):
         planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1KiB", target="h100", cache=compiled, **FEW)
 
 
+def test_choices_that_make_the_same_program_compile_once(compiled):
+    """Net's blocks have no product with batch axes: dots_saveable keeps what
+    dots_with_no_batch_dims_saveable keeps, the same lowered program, compiled once."""
+    planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=1.0, target="h100", cache=compiled,
+                 **(FEW | dict(options=("remat-dots", "remat-dots-all"), verify=0)))  # fmt: skip
+    uniform = {key[1][0]: step for key, (_, step) in compiled.items() if key[0][0] == "h100" and len(set(key[1])) == 1 and key[2] == "keep"}
+    assert uniform["remat-dots-all"] is uniform["remat-dots"]
+    assert uniform["remat"] is not uniform["remat-dots"] and uniform["keep"] is not uniform["remat"]
+
+
 def test_a_shared_cache_keeps_other_batch_shapes_apart(compiled):
     half = tuple(jax.ShapeDtypeStruct((a.shape[0] // 2, *a.shape[1:]), a.dtype) for a in BATCH)
     full = planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.8, target="h100", cache=compiled, **FEW)
