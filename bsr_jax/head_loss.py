@@ -60,6 +60,7 @@ import optax
 from jax._src.numpy import lax_numpy
 
 from bsr_jax import rules as rules_lib
+from bsr_jax.patching import ProcessWidePatch
 from bsr_jax.losses import chunked_softmax_cross_entropy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -257,9 +258,7 @@ _REPLACEMENTS: tuple[tuple[Any, str, Any], ...] = (
     (lax_numpy, "astype", _astype),  # what ``x.astype(...)`` calls
     (jnp, "astype", _astype),
 )
-_SAVED = tuple((owner, name, vars(owner)[name]) for owner, name, _ in _REPLACEMENTS)
-_lock = threading.Lock()
-_active = 0
+_PATCH = ProcessWidePatch(lambda: _REPLACEMENTS)
 
 
 def _report(state: _State) -> None:
@@ -289,27 +288,17 @@ def recognising_head_losses(chunk: int, scope: str = "the traced function") -> I
       scope: where the context is active, named in its warning.
     """
     check_chunk(chunk, "chunk")
-    global _active
     outer = _state()
-    with _lock:
-        if _active == 0:
-            for owner, name, value in _REPLACEMENTS:
-                setattr(owner, name, value)
-        _active += 1
     # Nested contexts (a compress_model(loss_chunk=) apply inside chunked_head_loss) share the
     # outer's records; the outermost one reports.
     state = outer if outer is not None else _State(chunk, scope)
-    _local.state = state
-    try:
-        with nn.intercept_methods(_record_heads):
-            yield
-    finally:
-        _local.state = outer
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                for owner, name, original in _SAVED:
-                    setattr(owner, name, original)
+    with _PATCH.applied():
+        _local.state = state
+        try:
+            with nn.intercept_methods(_record_heads):
+                yield
+        finally:
+            _local.state = outer
     if outer is None:
         _report(state)
 

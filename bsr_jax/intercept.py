@@ -46,6 +46,7 @@ from jax._src.numpy import tensor_contractions
 from bsr_jax import rules as rules_lib
 from bsr_jax.format import Pruning
 from bsr_jax.linear import linear_dims, merge_contracted, pruned_dot_general
+from bsr_jax.patching import ProcessWidePatch
 
 _ORIGINAL = {"bind": jax_core.Primitive.bind, "dot_general": lax.dot_general, "einsum": jnp.einsum, "matmul": jnp.matmul, "dot": jnp.dot}
 
@@ -228,29 +229,17 @@ _REPLACEMENTS: tuple[tuple[Any, str, Any], ...] = (
     (tensor_contractions, "matmul", _matrix_product("matmul")),  # what ``a @ b`` calls
     (jnp, "dot", _matrix_product("dot")),
 )
-_SAVED = tuple((owner, name, vars(owner)[name]) for owner, name, _ in _REPLACEMENTS)
-_lock = threading.Lock()
-_active = 0
+_PATCH = ProcessWidePatch(lambda: _REPLACEMENTS)
 
 
 @contextlib.contextmanager
 def product_interception() -> Iterator[None]:
     """Route products on parameters inside rule-matched linen modules (see the module docstring)."""
-    global _active
     outer = _state()
-    with _lock:
-        if _active == 0:
-            for owner, name, value in _REPLACEMENTS:
-                setattr(owner, name, value)
-        _active += 1
-    # Nested contexts (a compressed model applied inside another) share the outer's marks and frames.
-    _local.state = outer if outer is not None else _State()
-    try:
-        yield
-    finally:
-        _local.state = outer
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                for owner, name, original in _SAVED:
-                    setattr(owner, name, original)
+    with _PATCH.applied():
+        # Nested contexts (a compressed model applied inside another) share the outer's marks and frames.
+        _local.state = outer if outer is not None else _State()
+        try:
+            yield
+        finally:
+            _local.state = outer

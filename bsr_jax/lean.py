@@ -59,6 +59,8 @@ from flax.linen import attention as linen_attention
 from flax.nnx.nn import activations as nnx_activations
 from jax.ad_checkpoint import checkpoint_name
 
+from bsr_jax.patching import ProcessWidePatch
+
 LINEN_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm)
 NNX_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm)
 # Namespaces whose attributes user code reads at call time (``nn.gelu(x)``); every attribute that
@@ -251,11 +253,6 @@ def _nnx_lean_call(original_call: Callable[..., jax.Array]) -> Callable[..., jax
 
 # ---- the context ----
 
-_lock = threading.Lock()
-_active = 0  # contexts open in any thread; the attributes are replaced while > 0
-_restore: list[tuple[Any, str, Any]] = []
-
-
 def _replacements() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, lean value) for every attribute this context replaces."""
     lean_of = {id(original): lean for original, lean in _LEAN_ACTIVATIONS}
@@ -270,6 +267,9 @@ def _replacements() -> list[tuple[Any, str, Any]]:
     return found
 
 
+_PATCH = ProcessWidePatch(_replacements)  # found when the first context opens
+
+
 @contextlib.contextmanager
 def lean_neighbours(enabled: bool = True) -> Iterator[None]:
     """Run norms, activations and attention traced inside this context the lean way (see the
@@ -277,25 +277,13 @@ def lean_neighbours(enabled: bool = True) -> Iterator[None]:
 
     Usage: ``with bsr_jax.lean.lean_neighbours(): y = model.apply(variables, x)`` inside the loss.
     """
-    global _active
     if not enabled or getattr(_local, "depth", 0):
         yield
         return
-    with _lock:
-        if _active == 0:
-            for owner, name, lean in _replacements():
-                _restore.append((owner, name, vars(owner)[name]))
-                setattr(owner, name, lean)
-        _active += 1
-    _local.depth = 1
-    try:
-        with nn.intercept_methods(_linen_interceptor):
-            yield
-    finally:
-        _local.depth = 0
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                while _restore:
-                    owner, name, original = _restore.pop()
-                    setattr(owner, name, original)
+    with _PATCH.applied():
+        _local.depth = 1
+        try:
+            with nn.intercept_methods(_linen_interceptor):
+                yield
+        finally:
+            _local.depth = 0
