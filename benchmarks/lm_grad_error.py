@@ -7,7 +7,10 @@ than int4). One batch of random tokens, a small ``train.lm`` model (bf16 compute
 
 Error: ``||g - g_dense|| / ||g_dense||`` of each linear layer's kernel gradient, median over layers.
 With ``--workdir``: the run's model (its config.json) at its last checkpoint, on ``--batch`` of its
-validation windows.
+validation windows. ``--systematic``: the batch split in two halves, per setting and layer the
+cosine between the two halves' errors ``g - g_dense`` (near 0 where the error is noise that
+averages out over steps, near 1 where it points the same way every step: a bias) and the
+projection ``<g, g_dense> / <g_dense, g_dense>`` (below 1: gradients shrunk), medians over layers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--workdir", help="a train.lm run: its model at its last checkpoint, its validation text")
+    parser.add_argument("--systematic", action="store_true", help="the errors' cosine between two half batches and the projection")
     args = parser.parse_args(argv)
     if args.workdir:
         base, shape, params, batch = trained(args.workdir, args.batch)
@@ -48,9 +52,12 @@ def main(argv=None) -> None:
         params = create_model(base, shape, compressed=False).init(jax.random.key(0), tokens)["params"]
         batch = {"tokens": jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, args.vocab)}
 
-    def grads(config):
+    def grads(config, batch=batch):
         model = create_model(config, shape)
         return jax.jit(jax.grad(lambda p: loss_function(model, config)(p, batch)[0]))(params)
+
+    if args.systematic:
+        return systematic(base, grads, batch)
 
     dense = jax.tree_util.tree_flatten_with_path(grads(base))[0]
     kinds = sorted({"/".join(k.key for k in path[1:-1]) for path, _ in dense if path[0].key.startswith("layer_") and path[-1].key == "kernel"})
@@ -68,6 +75,29 @@ def main(argv=None) -> None:
         f"initialisation, random tokens, B {args.batch}")
     print(f"\n(dim {shape.dim}, depth {shape.depth}, T {shape.seq_len}, vocabulary {shape.vocab_size}, {base.dtype} compute, {where}; "
           "||g - g_dense|| / ||g_dense|| of each kernel gradient, median over layers)")
+
+
+def _kernels(tree) -> dict[str, jax.Array]:
+    return {"/".join(k.key for k in path[:-1]): g for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if path[0].key.startswith("layer_") and path[-1].key == "kernel"}  # fmt: skip
+
+
+def systematic(base: LMConfig, grads, batch: dict) -> None:
+    """Per setting, medians over layers: the cosine between the errors of two half batches, and the projection on dense's."""
+    tokens = batch["tokens"]
+    halves = [{"tokens": tokens[: len(tokens) // 2]}, {"tokens": tokens[len(tokens) // 2 :]}]
+    cos = lambda a, b: float(jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))  # noqa: E731
+    dense = [_kernels(grads(base, h)) for h in halves]
+    print("| setting | error cosine between halves (median / max over layers) | projection on dense (median / min) |")
+    print("|---|---|---|")
+    for name, fields in {"dense (same program)": {}, **SETTINGS}.items():
+        got = [_kernels(grads(dataclasses.replace(base, **{"block": 16, **fields}) if fields else base, h)) for h in halves]
+        if not fields:  # the control: the dense gradient again, an error of 0 whose cosine is undefined
+            print(f"| {name} | - | {statistics.median(float(jnp.vdot(got[0][k], dense[0][k]) / jnp.vdot(dense[0][k], dense[0][k])) for k in dense[0]):.4f} |")
+            continue
+        cosines = [cos(got[0][k] - dense[0][k], got[1][k] - dense[1][k]) for k in dense[0]]
+        projections = [float(jnp.vdot(got[i][k], dense[i][k]) / jnp.vdot(dense[i][k], dense[i][k])) for i in range(2) for k in dense[0]]
+        print(f"| {name} | {statistics.median(cosines):.3f} / {max(cosines):.3f} | {statistics.median(projections):.4f} / {min(projections):.4f} |")
 
 
 def trained(workdir: str, batch_size: int):
