@@ -50,7 +50,8 @@ from flax import nnx
 from bsr_jax import planner_nnx
 from bsr_jax.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory, lower_for
 from bsr_jax.planner_linen import Linen, assemble, find_blocks
-from bsr_jax.planner_options import EXACT, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
+from bsr_jax.head_loss import check_chunk, chunked_head_loss
+from bsr_jax.planner_options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,20 +65,24 @@ class Measured:
 
     @property
     def label(self) -> str:
-        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"``."""
-        return _label([name for path, name in self.choices.items() if path != REST], self.choices[REST])
+        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"`` (``", chunked loss"``)."""
+        blocks = [name for path, name in self.choices.items() if path not in (REST, LOSS)]
+        return _label(blocks, self.choices[REST]) + (", chunked loss" if LOSS in self.choices else "")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What ``plan`` chose. ``model``: a linen module with the dense parameter tree (NNX: a model
     holding a copy of the user's state, ``nnx.Param`` tree unchanged) and the same forward values,
-    to use in the user's own step; ``choices``: block path -> option name
-    (``OPTIONS``), ``REST`` -> the rest's; ``peak``/``modelled_seconds``: its compiled step on
+    to use in the user's own step with ``loss_fn``, the loss it was measured with (the user's, or
+    ``bsr_jax.chunked_head_loss`` of it where ``plan(loss_chunk=)`` chose that); ``choices``: block
+    path -> option name (``OPTIONS``), ``REST`` -> the rest's, ``LOSS`` -> ``"chunked"`` where the
+    loss is chunked; ``peak``/``modelled_seconds``: its compiled step on
     ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy);
     ``tried``: every candidate compiled, in order."""
 
     model: nn.Module | nnx.Module
+    loss_fn: Callable[..., jax.Array]
     choices: Mapping[str, str]
     peak: int
     modelled_seconds: float
@@ -102,18 +107,20 @@ class Plan:
                  f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
                  f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)",
                  "  per block:"]  # fmt: skip
-        blocks = [(path, name) for path, name in self.choices.items() if path != REST]
+        blocks = [(path, name) for path, name in self.choices.items() if path not in (REST, LOSS)]
         for key, group in itertools.groupby(blocks, key=lambda kv: kv[1]):
             paths = [p for p, _ in group]
             lines.append(f"    {paths[0] if len(paths) == 1 else paths[0] + ' .. ' + paths[-1]:<40} {key}")
         lines.append(f"    {'everything else':<40} {self.choices[REST]}")
+        if LOSS in self.choices:
+            lines.append(f"    {'the loss':<40} chunked (use plan.loss_fn)")
         return "\n".join(lines)
 
 class Family(Protocol):
     """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planner_nnx.Nnx``)
     for ``plan``, whose search is the same for both. Constructed as ``(model, loss_fn, batch,
     variables, init_args)``; ``assemble(choices, rest)``: the model with ``blocks[i]`` as
-    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer)``:
+    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer, loss_fn)``:
     ``step(state, opt_state, *batch) -> (state, opt_state, loss)`` of that module."""
 
     name: str  # the kind, for messages: "flax.linen"
@@ -125,13 +132,13 @@ class Family(Protocol):
 
     def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
 
-    def step(self, module: Any, optimizer: optax.GradientTransformation) -> Callable[..., Any]: ...
+    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]: ...
 
 class _Search:
     """Compiles candidates (cached by their choices) and remembers them in order."""
 
-    def __init__(self, family: Family, batch, optimizer, target, progress, cache):
-        self.family, self.batch, self.optimizer, self.target, self.progress = family, batch, optimizer, target, progress
+    def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache):
+        self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
@@ -140,19 +147,20 @@ class _Search:
         leaves, structure = jax.tree.flatten((family.state, batch))
         self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves))
 
-    def measure(self, choices: Sequence[str], rest: str) -> Measured:
-        key = (tuple(choices), rest)
+    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain") -> Measured:
+        key = (tuple(choices), rest, loss)
         if key not in self.cache and (self.scope, *key) in self.shared:
             self.cache[key] = self.shared[(self.scope, *key)]
         if key not in self.cache:
-            step = self.family.step(self.family.assemble(choices, rest), self.optimizer)
+            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss])
             lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
             # Different choices can make the same program (dots_saveable where no product has batch
             # axes is dots_with_no_batch_dims_saveable): lowering is cheap, compiling is not.
             program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
             same = self.programs.get(program)
             compiled = same[1] if same else compiled_memory(lowered, target=self.target)
-            measured = Measured(dict(zip(self.family.blocks, choices)) | {REST: rest}, compiled.peak, compiled.modelled_seconds)
+            choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
+            measured = Measured(choices_by_path, compiled.peak, compiled.modelled_seconds)
             self.programs.setdefault(program, (measured.label, compiled))
             self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
             if self.progress:
@@ -184,7 +192,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
          budget: int | float | str, target: str = "h100", options: Sequence[str] | None = None,
          rest_options: Sequence[str] | None = None, verify: int = 3,
          variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
-         cache: dict | None = None) -> Plan:  # fmt: skip
+         cache: dict | None = None, loss_chunk: int | None = None) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
 
     Args:
@@ -213,6 +221,11 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
       cache: a dict of compiled candidates to read and fill, shared between calls with the same
         model, loss and optimizer (e.g. several budgets); entries are kept apart by target, block
         paths and the shapes of the variables and batch. By default each call compiles anew.
+      loss_chunk: also consider the loss through ``bsr_jax.chunked_head_loss(loss_fn,
+        chunk=loss_chunk)`` (exact; a head projection followed by optax's softmax cross-entropy
+        never holds its logits): chosen where it makes the step faster within the budget or is
+        needed to fit; then ``plan.loss_fn`` is that loss, for the user's step. Default: the loss
+        as given.
 
     Returns:
       a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
@@ -233,9 +246,12 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     family_type = Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
     options = _available("options", options, tuple(OPTIONS), family_type)
     rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type)
+    if loss_chunk is not None:
+        check_chunk(loss_chunk, "loss_chunk")
+    loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
     batch = abstract(example_batch)
     family: Family = family_type(model, loss_fn, batch, variables, init_args)
-    search = _Search(family, batch, optimizer, target, progress, cache)
+    search = _Search(family, loss_fns, batch, optimizer, target, progress, cache)
     blocks = family.blocks
     n = len(blocks)
     if progress:
@@ -250,34 +266,39 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     for rest in dict.fromkeys(rest_options).keys() - {"keep"}:
         m = search.measure([smallest] * n, rest)
         rest_delta[rest] = (m.peak - uniform[smallest].peak, m.seconds - uniform[smallest].seconds)
+    loss_delta = {"plain": (0, 0.0)}
+    if "chunked" in loss_fns:
+        m = search.measure([smallest] * n, "keep", "chunked")
+        loss_delta["chunked"] = (m.peak - uniform[smallest].peak, m.seconds - uniform[smallest].seconds)
 
-    def predicted(choices: tuple[str, ...], rest: str) -> tuple[float, float]:
-        peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + rest_delta[rest][0]
-        seconds = dense.seconds + sum(uniform[c].seconds - dense.seconds for c in choices) / n + rest_delta[rest][1]
+    def predicted(choices: tuple[str, ...], rest: str, loss: str) -> tuple[float, float]:
+        peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + rest_delta[rest][0] + loss_delta[loss][0]
+        seconds = dense.seconds + sum(uniform[c].seconds - dense.seconds for c in choices) / n + rest_delta[rest][1] + loss_delta[loss][1]
         return peak, seconds
 
-    assignments = {(tuple([b] * k + [a] * (n - k)), rest) for a in names for b in names for k in range(n + 1) for rest in rest_delta}
+    assignments = {(tuple([b] * k + [a] * (n - k)), rest, loss)
+                   for a in names for b in names for k in range(n + 1) for rest in rest_delta for loss in loss_delta}  # fmt: skip
     ranked = sorted((predicted(*a)[1], a) for a in assignments if predicted(*a)[0] <= limit and a not in search.cache)
     # Compile the best predicted until `verify` fit (or twice that many were tried): where the
     # linear model was optimistic, the next ones down the ranking repair it.
     fits = tried = 0
-    for _, (choices, rest) in ranked:
+    for _, key in ranked:
         if fits >= verify or tried >= 2 * verify:
             break
-        fits, tried = fits + (search.measure(choices, rest).peak <= limit), tried + 1
+        fits, tried = fits + (search.measure(*key).peak <= limit), tried + 1
     for (scope, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
         if scope == search.scope:
             search.cache.setdefault(tuple(key), entry)
-    allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta  # noqa: E731  (remat's figure is always compiled)
+    allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta and key[2] in loss_delta  # noqa: E731  (remat's figure is always compiled)
     fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]
     if not fitting:
         best = min((m for key, (m, _) in search.cache.items() if allowed(key)), key=lambda m: m.peak)
         raise ValueError(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
                          f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with {best.label}")  # fmt: skip
-    _, (choices, rest) = min(fitting)
-    chosen, compiled = search.cache[(choices, rest)]
-    return Plan(model=family.assemble(choices, rest), choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
+    _, (choices, rest, loss) = min(fitting)
+    chosen, compiled = search.cache[(choices, rest, loss)]
+    return Plan(model=family.assemble(choices, rest), loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
 
 
-__all__ = ["EXACT", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
+__all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]

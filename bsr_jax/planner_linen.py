@@ -108,9 +108,7 @@ class Linen:
     def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
         return assemble(self.model, self.blocks, choices, rest)
 
-    def step(self, module: nn.Module, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-        loss_fn = self.loss_fn
-
+    def step(self, module: nn.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]:
         def step(variables, opt_state, *batch):
             others = {k: v for k, v in variables.items() if k != "params"}
             value, grads = jax.value_and_grad(lambda p: loss_fn(module, others | {"params": p}, *batch))(variables["params"])

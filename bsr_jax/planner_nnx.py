@@ -104,10 +104,10 @@ class Nnx:
 
     def __init__(self, model: nnx.Module, loss_fn: Callable[..., jax.Array], batch: Sequence[Any], variables: Any,
                  init_args: Sequence[Any] | None):  # fmt: skip
-        del batch  # the blocks come from the module graph, not from a trace
+        del batch, loss_fn  # the blocks come from the module graph, not from a trace
         if variables is not None or init_args is not None:
             raise ValueError("variables and init_args are for linen models: an NNX model carries its own state")
-        self.model, self.loss_fn = model, loss_fn
+        self.model = model
         self.blocks = find_blocks(model)
         self.state, self.params = abstract(nnx.state(model)), abstract(nnx.state(model, nnx.Param))
         # compress_model raises on a rule that matches no layer: rules go only where layers are.
@@ -131,8 +131,8 @@ class Nnx:
             rules.append(Rule("*", OPTIONS[rest].compression))
         return compress_model(module, rules, lean=False) if rules else module
 
-    def step(self, module: nnx.Module, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-        graphdef, loss_fn = nnx.graphdef(module), self.loss_fn
+    def step(self, module: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+        graphdef = nnx.graphdef(module)
 
         def step(state, opt_state, *batch):
             # NNX's own step: the gradient with respect to the nnx.Params, and whatever else the

@@ -13,6 +13,7 @@ import jax
 from bsr_jax.format import Pruning
 
 REST = "(rest)"  # the choices' key for everything outside the blocks
+LOSS = "(loss)"  # the choices' key for the loss where plan(loss_chunk=) chose the chunked one
 
 
 @dataclasses.dataclass(frozen=True)

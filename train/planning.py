@@ -43,7 +43,7 @@ def planned_model(model, loss_of: Callable[[Any], Callable[..., Any]], batch: di
     plan is rebuilt as it was, without compiling."""
     if saved is not None:
         choices = saved["choices"]
-        blocks = [path for path in choices if path != bsr_jax.planner.REST]
+        blocks = [path for path in choices if path not in (bsr_jax.planner.REST, bsr_jax.planner.LOSS)]
         metrics.say(f"the plan of the resumed run: {saved['peak_bytes'] / 2**20:,.0f} MiB on {saved['target']}")
         return bsr_jax.planner.assemble(model, blocks, [choices[b] for b in blocks], choices[bsr_jax.planner.REST]), saved
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}

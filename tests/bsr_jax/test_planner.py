@@ -162,6 +162,38 @@ def test_choices_that_make_the_same_program_compile_once(compiled):
     assert uniform["remat"] is not uniform["remat-dots"] and uniform["keep"] is not uniform["remat"]
 
 
+class LMBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(64)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+
+
+class TinyLM(nn.Module):
+    """Three blocks and a 4096-token head whose logits are most of the step's peak."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(4096, 64)(tokens)
+        for i in range(3):
+            x = LMBlock(name=f"block_{i}")(x)
+        return nn.Dense(4096, use_bias=False, name="head")(nn.LayerNorm()(x))
+
+
+def test_a_chunked_loss_is_chosen_where_only_it_fits():
+    """Measured: dense 78 MiB, remat per block 75 MiB, with the chunked loss 46-50 MiB (H100)."""
+    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+    args = dict(optimizer=optax.adamw(1e-3), budget=0.65, target="h100", cache={}, **(FEW | dict(verify=1)))
+    with pytest.raises(ValueError, match="no candidate fits"):
+        planner.plan(TinyLM(), _labels_loss, tokens, tokens, **args)
+    plan = planner.plan(TinyLM(), _labels_loss, tokens, tokens, **args, loss_chunk=256)
+    assert plan.choices[planner.LOSS] == "chunked" and plan.peak <= plan.budget and "chunked" in str(plan)
+    x = jax.random.randint(jax.random.key(0), (2, 16), 0, 4096)
+    v = TinyLM().init(jax.random.key(1), x)
+    np.testing.assert_allclose(jax.jit(lambda v: plan.loss_fn(plan.model, v, x, x))(v), _labels_loss(TinyLM(), v, x, x), rtol=1e-5)
+    with pytest.raises(ValueError, match="loss_chunk must be a positive int"):
+        planner.plan(TinyLM(), _labels_loss, tokens, tokens, **args, loss_chunk=0)
+
+
 def test_a_shared_cache_keeps_other_batch_shapes_apart(compiled):
     half = tuple(jax.ShapeDtypeStruct((a.shape[0] // 2, *a.shape[1:]), a.dtype) for a in BATCH)
     full = planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.8, target="h100", cache=compiled, **FEW)
@@ -304,13 +336,14 @@ class NnxDropoutNet(nnx.Module):
 
 def test_nnx_remat_takes_flags_keywords_and_rng_state():
     net = NnxDropoutNet(nnx.Rngs(0, dropout=1))
-    family = planner_nnx.Nnx(net, lambda model, x: jnp.mean(model(x) ** 2), (), None, None)
+    loss = lambda model, x: jnp.mean(model(x) ** 2)  # noqa: E731
+    family = planner_nnx.Nnx(net, loss, (), None, None)
     module = family.assemble(["remat", "remat-dots", "keep"], "keep")
     x = jax.random.normal(jax.random.key(2), (8, 16))
     np.testing.assert_array_equal(module(x, train=False), net(x, train=False))
     # The step updates the dropout's rng count inside the remat blocks.
     opt_state = jax.eval_shape(optax.sgd(0.1).init, family.params)
-    bsr_jax.compiled_memory(family.step(module, optax.sgd(0.1)), family.state, opt_state, jax.ShapeDtypeStruct((64, 16), jnp.float32),
+    bsr_jax.compiled_memory(family.step(module, optax.sgd(0.1), loss), family.state, opt_state, jax.ShapeDtypeStruct((64, 16), jnp.float32),
                             target="h100", donate_argnums=(0, 1))  # fmt: skip
 
 
