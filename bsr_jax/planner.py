@@ -281,11 +281,14 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     ranked = sorted((predicted(*a)[1], a) for a in assignments if predicted(*a)[0] <= limit and a not in search.cache)
     # Compile the best predicted until `verify` fit (or twice that many were tried): where the
     # linear model was optimistic, the next ones down the ranking repair it.
-    fits = tried = 0
+    fits = tried = lowered = 0
     for _, key in ranked:
-        if fits >= verify or tried >= 2 * verify:
+        if fits >= verify or tried >= 2 * verify or lowered >= 4 * verify:
             break
-        fits, tried = fits + (search.measure(*key).peak <= limit), tried + 1
+        compiled_before = len(search.programs)
+        fits += search.measure(*key).peak <= limit
+        tried += len(search.programs) > compiled_before  # a program compiled before costs no try...
+        lowered += 1  # ...but its lowering does: bounded too
     for (scope, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
         if scope == search.scope:
             search.cache.setdefault(tuple(key), entry)
