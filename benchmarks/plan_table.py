@@ -103,7 +103,7 @@ def table(rows):
     for r in sorted(rows, key=lambda r: (r["model"], r["target"], r.get("loss_chunk", 0), r["budget"])):
         model = r["model"] + (f" + chunked loss ({r['loss_chunk']})" if r.get("loss_chunk") else "")
         if "error" in r:
-            lines.append(f"| {model} | {r['target']} | {r['budget']} | - | - | {r['error'][:120]} | | | | |")
+            lines.append(f"| {model} | {r['target']} | {r['budget']} | - | - | {r['error'].split(', with ')[0]} | | | | |")
             continue
         j, u = r["jax_remat"], r["uniform_remat"]
         jt = "-" if j is None else (j["setting"] if j["time_ratio"] is None else f"{j['setting']}: {j['peak_ratio']:.2f} / {j['time_ratio']:.2f}")
