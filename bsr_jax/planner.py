@@ -262,14 +262,14 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     uniform = {name: search.measure([name] * n, "keep") for name in names}
     remat = search.measure(["remat"] * n, "keep")
     smallest = min(names, key=lambda name: uniform[name].peak)
-    rest_delta = {"keep": (0, 0.0)}
-    for rest in dict.fromkeys(rest_options).keys() - {"keep"}:
-        m = search.measure([smallest] * n, rest)
-        rest_delta[rest] = (m.peak - uniform[smallest].peak, m.seconds - uniform[smallest].seconds)
-    loss_delta = {"plain": (0, 0.0)}
-    if "chunked" in loss_fns:
-        m = search.measure([smallest] * n, "keep", "chunked")
-        loss_delta["chunked"] = (m.peak - uniform[smallest].peak, m.seconds - uniform[smallest].seconds)
+
+    def delta(rest: str, loss: str) -> tuple[int, float]:
+        """What the rest's or the loss's choice adds, measured with every block at ``smallest``."""
+        m, base = search.measure([smallest] * n, rest, loss), uniform[smallest]
+        return m.peak - base.peak, m.seconds - base.seconds
+
+    rest_delta = {"keep": (0, 0.0)} | {rest: delta(rest, "plain") for rest in dict.fromkeys(rest_options) if rest != "keep"}
+    loss_delta = {"plain": (0, 0.0)} | ({"chunked": delta("keep", "chunked")} if "chunked" in loss_fns else {})
 
     def predicted(choices: tuple[str, ...], rest: str, loss: str) -> tuple[float, float]:
         peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + rest_delta[rest][0] + loss_delta[loss][0]
