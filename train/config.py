@@ -1,10 +1,9 @@
-"""The training configuration: one frozen dataclass, and the argparse parser both CLIs share.
+"""The image trainers' configuration: one frozen dataclass, and the argparse parser both CLIs share.
 
 Each CLI passes its own defaults (``CIFAR_DEFAULTS``, ``IMAGENET_DEFAULTS``) to ``build_parser``;
 ``parse`` turns the flags into a ``TrainConfig``. Flags map one to one onto fields
-(``--batch-size`` -> ``batch_size``). With ``--resume`` the run's own ``config.json`` is the
-config: flags that repeat it are fine, flags that change it are an error, except the
-``RESUME_OVERRIDES``, which are applied and reported. The flags of a run over several processes
+(``--batch-size`` -> ``batch_size``); ``--resume`` follows ``train.settings``' rule, with
+``RESUME_OVERRIDES`` the flags a resumed run may change. The flags of a run over several processes
 (``--coordinator --num-processes --process-id``) are not training settings: ``parse_processes``
 reads them into a ``Processes``.
 
@@ -15,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-from train import run_dir
+from train import settings
+# UsageError and InvalidSetting are re-exported: the image trainers' modules take them from here.
+from train.settings import InvalidSetting, Parser, Settings, UsageError, flag, show  # noqa: F401
 # The option lists are re-exported: callers and tests find every flag's allowed values here.
 from train.options import (  # noqa: F401
     AUGMENTS, BACKENDS, COMPRESSIONS, CRITERIA, DATASETS, DTYPES, DX_FORMATS, HELP, MODELS, OPTIMIZERS, PLAN_TARGETS,
@@ -28,52 +28,11 @@ from train.options import (  # noqa: F401
 )
 
 
-class UsageError(ValueError):
-    """A run cannot start as configured (e.g. a batch that does not divide over the devices); the
-    message is meant for the user, and the CLIs print it without a traceback."""
-
-
-class InvalidSetting(UsageError):
-    """A ``TrainConfig`` field outside its allowed values; ``field`` names it."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors are one line (``PROG: argument --flag: why (see --help)``), not the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description keeps its lines (example commands stay one per line); flags show their defaults."""
-
-
-_NOT_GIVEN = object()
-
-
-def _field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):  # layer rules
-        return " ".join(f"{pattern}={sparsity}" for pattern, sparsity in value) or "none"
-    return str(value)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(Settings):
     """Everything a run depends on. ``steps`` and ``resume`` only decide where a run stops/starts."""
+
+    RESUME_OVERRIDES: ClassVar[tuple[str, ...]] = RESUME_OVERRIDES
 
     # Data.
     dataset: Literal["cifar10", "cifar100", "imagenet2012", "imagefolder"] = "cifar10"
@@ -179,40 +138,12 @@ class TrainConfig:
             "depth": (self.depth is None or self.depth >= 1, ">= 1"),
             "seed": (self.seed >= 0, ">= 0"),
         }
-        for name in _FLOAT_FIELDS:  # inf or nan passes most comparisons and ruins a run silently
-            if not math.isfinite(getattr(self, name)):
-                checks[name] = (False, "a finite number")
-        for name, (ok, allowed) in checks.items():
-            if not ok:
-                raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        settings.check(self, checks)
         if self.model in RESNET_MODELS:
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             for name in RESMLP_ONLY:
                 if getattr(self, name) != defaults[name]:
-                    raise InvalidSetting(name, f"{name} applies to ResMLP models only, got {_show(getattr(self, name))} with model {self.model}")
-
-    def to_json(self) -> dict[str, Any]:
-        fields = dataclasses.asdict(self)
-        fields["layer_sparsity"] = [list(rule) for rule in self.layer_sparsity]
-        return fields
-
-    @classmethod
-    def from_json(cls, fields: dict[str, Any]) -> TrainConfig:
-        """The inverse of ``to_json``; unknown fields raise ``UsageError`` naming them."""
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise UsageError(f"unknown settings {unknown} (written by another version of train?)")
-        return cls(**{**fields, "layer_sparsity": tuple(map(tuple, fields.get("layer_sparsity", ())))})
-
-    def resume_conflicts(self, saved: TrainConfig) -> list[str]:
-        """``--flag VALUE (the run has SAVED)`` for each setting that differs from ``saved`` and is
-        not in ``RESUME_OVERRIDES``: continuing with it would mix two trainings."""
-        return [
-            f"{_flag(name)} {_show(getattr(self, name))} (the run has {_show(getattr(saved, name))})"
-            for name in _field_names()
-            if name not in (*RESUME_OVERRIDES, "resume") and getattr(self, name) != getattr(saved, name)
-        ]
-
+                    raise InvalidSetting(name, f"{name} applies to ResMLP models only, got {show(getattr(self, name))} with model {self.model}")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Processes:
@@ -237,12 +168,7 @@ class Processes:
                 "HOST:PORT, given exactly when num_processes > 1",
             ),
         }
-        for name, (ok, allowed) in checks.items():
-            if not ok:
-                raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-
-_FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.type == "float")
+        settings.check(self, checks)
 
 
 _PROCESS_HELP = {
@@ -272,13 +198,10 @@ IMAGENET_DEFAULTS = TrainConfig(
 )
 
 
-
 def build_parser(
     prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str] = DATASETS
 ) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per ``TrainConfig`` field plus ``--workdir``."""
-    parser = _Parser(prog=prog, description=description, formatter_class=_HelpFormatter)
-    parser.add_argument("--workdir", default=f"runs/{prog.split('.')[-1]}", help="where metrics, config and checkpoints go")
+    """An argparse parser with one flag per ``TrainConfig`` field, ``--workdir`` and ``Processes``' flags."""
     choices = {
         "dataset": tuple(datasets),
         "augment": AUGMENTS,
@@ -294,17 +217,7 @@ def build_parser(
         "backend": BACKENDS,
         "compression": COMPRESSIONS,
     }
-    for field in dataclasses.fields(TrainConfig):
-        default = getattr(defaults, field.name)
-        if field.name == "layer_sparsity":
-            parser.add_argument("--layer-sparsity", type=_layer_rule, action="append", default=list(default),
-                                metavar="PATTERN=VALUE", help=HELP["layer_sparsity"])  # fmt: skip
-            continue
-        if field.type == "bool":
-            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=default, help=HELP[field.name])
-            continue
-        kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
-        parser.add_argument(_flag(field.name), type=kind, default=default, choices=choices.get(field.name), help=HELP[field.name])
+    parser = settings.build_parser(prog, description, defaults, HELP, choices, workdir=f"runs/{prog.split('.')[-1]}")
     _add_process_flags(parser)
     return parser
 
@@ -312,68 +225,25 @@ def build_parser(
 def _add_process_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(Processes):
         kind = int if field.type == "int" else str
-        parser.add_argument(_flag(field.name), type=kind, default=field.default, help=_PROCESS_HELP[field.name])
+        parser.add_argument(flag(field.name), type=kind, default=field.default, help=_PROCESS_HELP[field.name])
 
 
 def parse_processes(prog: str, argv: Sequence[str] | None = None) -> Processes:
     """The ``Processes`` flags of ``argv`` (the others are ``parse``'s); a bad value exits with
     argparse's usage error (code 2) naming the flag."""
-    parser = _Parser(prog=prog, add_help=False)
+    parser = Parser(prog=prog, add_help=False)
     _add_process_flags(parser)
     given, _ = parser.parse_known_args(argv)
     try:
         return Processes(**vars(given))
     except InvalidSetting as error:
-        parser.error(f"argument {_flag(error.field)}: {error}")
-
-
-def _layer_rule(text: str) -> tuple[str, float]:
-    pattern, sep, value = text.rpartition("=")
-    try:
-        sparsity = float(value)
-    except ValueError:
-        sparsity = None
-    if not sep or not pattern or sparsity is None:
-        raise argparse.ArgumentTypeError(f"expected PATTERN=VALUE (e.g. 'block*/fc2=0.9'), got {text!r}")
-    return pattern, sparsity
+        parser.error(f"argument {flag(error.field)}: {error}")
 
 
 def parse(
     prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str], argv: Sequence[str] | None = None
 ) -> tuple[TrainConfig, str, list[str]]:
-    """Parse ``argv`` into ``(config, workdir, notes)``.
-
-    With ``--resume`` and a ``config.json`` in the workdir, the config is the saved one with the
-    flags given on the command line applied; ``notes`` says which ``RESUME_OVERRIDES`` changed.
-    Bad values, and flags that would change a resumed run's settings, exit with argparse's usage
-    error (code 2).
-    """
-    parser = build_parser(prog, description, defaults, datasets)
-    # Parsed into a namespace that already holds every field, so it ends up holding only the flags
-    # given (argparse fills in defaults only for names it does not find); layer rules accumulate.
-    given = vars(parser.parse_args(argv, argparse.Namespace(**{n: _NOT_GIVEN for n in _field_names()} | {"layer_sparsity": []})))
-    workdir = given.pop("workdir")
-    for field in dataclasses.fields(Processes):  # parse_processes' flags
-        given.pop(field.name)
-    given = {n: tuple(v) if n == "layer_sparsity" else v for n, v in given.items() if v is not _NOT_GIVEN and v != []}
-    saved = run_dir.read_saved(workdir) if given.get("resume") else None
-    if given.get("resume") and saved is None:  # a mistyped --workdir would otherwise train from step 0
-        parser.error(f"argument --resume: nothing to resume in {workdir}: it has no config.json; "
-                     "pass the --workdir of an earlier run, or drop --resume")  # fmt: skip
-    try:
-        if saved is None:
-            return dataclasses.replace(defaults, **given), workdir, []
-        saved_config = TrainConfig.from_json(saved["config"])
-        config = dataclasses.replace(saved_config, **given)
-    except InvalidSetting as error:
-        where = f"{run_dir.config_path(workdir)}: " if saved else f"argument {_flag(error.field)}: "
-        parser.error(where + str(error))
-    except UsageError as error:
-        parser.error(f"{run_dir.config_path(workdir)}: {error}")
-    conflicts = config.resume_conflicts(saved_config)
-    if conflicts:
-        parser.error(f"{workdir} was trained with other settings; to resume it, drop {'; '.join(conflicts)}. "
-                     "To train these settings, pass another --workdir")  # fmt: skip
-    notes = [f"{_flag(n)} {_show(getattr(saved_config, n))} -> {_show(getattr(config, n))}"
-             for n in RESUME_OVERRIDES if getattr(config, n) != getattr(saved_config, n)]  # fmt: skip
-    return config, workdir, notes
+    """Parse ``argv`` into ``(config, workdir, notes)`` (``train.settings.parse``): with ``--resume``,
+    the run's saved config with the flags given applied; ``notes`` says which ``RESUME_OVERRIDES``
+    changed. Bad values, and flags that would change a resumed run, exit with code 2."""
+    return settings.parse(build_parser(prog, description, defaults, datasets), defaults, argv)

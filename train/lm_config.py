@@ -1,6 +1,6 @@
 """``python -m train.lm``'s configuration: one frozen dataclass and its flags (``--batch-size`` ->
-``batch_size``), as ``train.config`` does for the image CLIs; with ``--resume`` the run's own
-``config.json`` is the config and flags may only change the ``RESUME_OVERRIDES``.
+``batch_size``), as ``train.config`` does for the image CLIs; ``--resume`` follows
+``train.settings``' rule, with ``RESUME_OVERRIDES`` the flags a resumed run may change.
 
 Nothing here imports JAX, so ``--help`` and flag errors answer at once.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-from train import run_dir
-from train.config import InvalidSetting, UsageError, _HelpFormatter, _layer_rule, _Parser  # noqa: F401  (UsageError: re-exported)
+from train import settings
+from train.settings import Settings, UsageError  # noqa: F401  (UsageError: re-exported for train.lm's modules)
 from train.options import (BACKENDS, CRITERIA, DTYPES, DX_FORMATS, HELP as IMAGE_HELP, PLAN_TARGETS, ROUNDINGS, SELECTIONS,
                            STOCHASTIC_ROUNDING_DTYPES, STORAGE_DTYPES)  # fmt: skip
 
@@ -26,8 +26,11 @@ RESUME_OVERRIDES = ("stop_at", "log_every", "eval_every", "checkpoint_every", "k
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LMConfig:
+class LMConfig(Settings):
     """Everything an LM run depends on. ``stop_at`` and ``resume`` only decide where it stops/starts."""
+
+    RESUME_OVERRIDES: ClassVar[tuple[str, ...]] = RESUME_OVERRIDES
+    WRITER: ClassVar[str] = "train.lm"
 
     # Data.
     data_dir: str | None = None
@@ -136,9 +139,7 @@ class LMConfig:
             "checkpoint_every": (self.checkpoint_every >= 1, ">= 1"),
             "keep_checkpoints": (self.keep_checkpoints >= 1, ">= 1"),
         }
-        for name, (ok, allowed) in checks.items():
-            if not ok:
-                raise InvalidSetting(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        settings.check(self, checks)
 
     @property
     def compressed(self) -> bool:
@@ -148,26 +149,6 @@ class LMConfig:
     @property
     def stop_step(self) -> int:
         return min(self.stop_at or self.steps, self.steps)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "layer_sparsity": [list(rule) for rule in self.layer_sparsity]}
-
-    @classmethod
-    def from_json(cls, fields: dict[str, Any]) -> LMConfig:
-        """The inverse of ``to_json``; unknown fields raise ``UsageError`` naming them."""
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise UsageError(f"unknown settings {unknown} (written by another version of train.lm?)")
-        return cls(**{**fields, "layer_sparsity": tuple(map(tuple, fields.get("layer_sparsity", ())))})
-
-    def resume_conflicts(self, saved: LMConfig) -> list[str]:
-        """``--flag VALUE (the run has SAVED)`` for each setting differing from ``saved`` that a
-        resumed run may not change."""
-        return [
-            f"{_flag(f.name)} {getattr(self, f.name)} (the run has {getattr(saved, f.name)})"
-            for f in dataclasses.fields(self)
-            if f.name not in (*RESUME_OVERRIDES, "resume") and getattr(self, f.name) != getattr(saved, f.name)
-        ]
 
 
 HELP = {
@@ -226,56 +207,15 @@ HELP = {
 _CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "dtype": DTYPES, "criterion": CRITERIA, "selection": SELECTIONS,
             "backend": BACKENDS, "storage_dtype": STORAGE_DTYPES, "rounding": ROUNDINGS, "dx": DX_FORMATS,
             "target": PLAN_TARGETS}  # fmt: skip
-_NOT_GIVEN = object()
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """One flag per ``LMConfig`` field plus ``--workdir``; errors are one line, exit code 2."""
-    parser = _Parser(prog=prog, description=description, formatter_class=_HelpFormatter)
-    parser.add_argument("--workdir", default="runs/lm", help="where metrics, config and checkpoints go")
-    for field in dataclasses.fields(LMConfig):
-        flag, default, text = _flag(field.name), field.default, HELP[field.name]
-        if field.name == "layer_sparsity":
-            parser.add_argument(flag, type=_layer_rule, action="append", default=list(default), metavar="PATTERN=VALUE", help=text)
-        elif field.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
-        else:
-            kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
-            parser.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(field.name), help=text)
-    return parser
+    return settings.build_parser(prog, description, LMConfig(), HELP, _CHOICES, workdir="runs/lm")
 
 
 def parse(prog: str, description: str, argv: Sequence[str] | None = None) -> tuple[LMConfig, str, list[str]]:
-    """``argv`` as ``(config, workdir, notes)``; ``notes`` names the ``RESUME_OVERRIDES`` a resumed
-    run changes. Bad values, and flags that would change a resumed run, exit with code 2."""
-    parser = build_parser(prog, description)
-    names = [f.name for f in dataclasses.fields(LMConfig)]
-    # A namespace already holding every field keeps only the flags given (argparse fills in
-    # defaults only for names it does not find).
-    given = vars(parser.parse_args(argv, argparse.Namespace(**{n: _NOT_GIVEN for n in names} | {"layer_sparsity": []})))
-    workdir = given.pop("workdir")
-    given = {n: tuple(v) if n == "layer_sparsity" else v for n, v in given.items() if v is not _NOT_GIVEN and v != []}
-    saved = run_dir.read_saved(workdir) if given.get("resume") else None
-    if given.get("resume") and saved is None:
-        parser.error(f"argument --resume: nothing to resume in {workdir}: it has no config.json; "
-                     "pass the --workdir of an earlier run, or drop --resume")  # fmt: skip
-    try:
-        if saved is None:
-            return LMConfig(**given), workdir, []
-        saved_config = LMConfig.from_json(saved["config"])
-        config = dataclasses.replace(saved_config, **given)
-    except InvalidSetting as error:
-        parser.error((f"{run_dir.config_path(workdir)}: " if saved else f"argument {_flag(error.field)}: ") + str(error))
-    except UsageError as error:
-        parser.error(f"{run_dir.config_path(workdir)}: {error}")
-    conflicts = config.resume_conflicts(saved_config)
-    if conflicts:
-        parser.error(f"{workdir} was trained with other settings; to resume it, drop {'; '.join(conflicts)}. "
-                     "To train these settings, pass another --workdir")  # fmt: skip
-    notes = [f"{_flag(n)} {getattr(saved_config, n)} -> {getattr(config, n)}"
-             for n in RESUME_OVERRIDES if getattr(config, n) != getattr(saved_config, n)]  # fmt: skip
-    return config, workdir, notes
+    """``argv`` as ``(config, workdir, notes)`` (``train.settings.parse``); ``notes`` names the
+    ``RESUME_OVERRIDES`` a resumed run changes. Bad values, and flags that would change a resumed
+    run, exit with code 2."""
+    return settings.parse(build_parser(prog, description), LMConfig(), argv)

@@ -1,0 +1,51 @@
+"""train.settings through train.lm's configuration (train.cifar's: tests/train/test_cli.py): --resume's
+rule, JSON round trips, and the checks every settings class gets."""
+
+import dataclasses
+import json
+
+import pytest
+
+from train import lm_config
+from train.lm_config import LMConfig
+from train.settings import InvalidSetting, UsageError
+
+
+def _saved_run(workdir, **fields) -> LMConfig:
+    saved = LMConfig(**fields)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps({"config": saved.to_json(), "run": {}}))
+    return saved
+
+
+def test_a_resumed_lm_run_takes_its_config_json_and_only_the_overrides(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    saved = _saved_run(workdir, model="cpu", steps=200, storage_dtype="int4", layer_sparsity=(("layer_*/mlp/*", 0.5),))
+    parse = lambda *flags: lm_config.parse("train.lm", "doc", ["--workdir", str(workdir), "--resume", *flags])  # noqa: E731
+    assert parse() == (dataclasses.replace(saved, resume=True), str(workdir), [])
+    assert parse("--storage-dtype", "int4", "--layer-sparsity", "layer_*/mlp/*=0.50")[0] == dataclasses.replace(saved, resume=True)
+    config, _, notes = parse("--stop-at", "50", "--log-every", "5")
+    assert (config.stop_at, config.log_every, config.steps) == (50, 5, 200)
+    assert notes == ["--stop-at None -> 50", "--log-every 20 -> 5"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--steps", "300", "--no-lean", "--layer-sparsity", "layer_0/*=0.9")
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"train.lm: {workdir} was trained with other settings; to resume it, drop ")
+    assert ("--lean off (the run has on); --layer-sparsity layer_0/*=0.9 (the run has "
+            "layer_*/mlp/*=0.5); --steps 300 (the run has 200). To train") in lines[0]  # fmt: skip
+
+
+def test_lm_settings_round_trip_through_json_and_name_unknown_fields():
+    config = LMConfig(dx="int8", layer_sparsity=(("layer_1/attn/*", 0.3),), memory_budget=None, stop_at=7)
+    assert LMConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
+    with pytest.raises(UsageError, match=r"unknown settings \['epochs'\] \(written by another version of train.lm\?\)"):
+        LMConfig.from_json({**config.to_json(), "epochs": 3})
+
+
+@pytest.mark.parametrize("field", ["lr", "min_lr", "weight_decay", "clip_norm", "val_fraction", "sparsity"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_every_float_setting_must_be_finite(field, value):
+    with pytest.raises(InvalidSetting, match=f"{field} must be a finite number") as error:
+        LMConfig(**{field: value})
+    assert error.value.field == field
