@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from train import run_dir
 from train.config import TrainConfig, UsageError, parse, parse_processes
@@ -20,15 +20,17 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
     """
     config, workdir, overrides = parse(prog, description, defaults, datasets, argv)
     processes = parse_processes(prog, argv)
-    # Ctrl-C before the run's own handlers (train.stopping) are installed, or after: while JAX
-    # starts or the data is read and decoded. SIGTERM the same way, rather than dying silently.
+    return run_interruptible(prog, workdir, lambda: _run(prog, config, workdir, overrides, processes))
+
+
+def run_interruptible(prog: str, workdir: str, run: Callable[[], int]) -> int:
+    """``run()``'s exit code, or 128 + signal number with one line on stderr when SIGINT/SIGTERM
+    arrives outside the training loop's own handlers (``train.stopping``): while JAX starts or the
+    data is read and prepared. SIGTERM is handled as Ctrl-C, rather than dying silently."""
     previous = {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
     _received.clear()
     try:
-        return _run(prog, config, workdir, overrides, processes)
-    except run_dir.DamagedRecords as error:
-        print(f"{prog}: {error}", file=sys.stderr)
-        return 2
+        return run()
     except (KeyboardInterrupt, _Interrupted) as interrupt:
         signum = interrupt.signum if isinstance(interrupt, _Interrupted) else signal.SIGINT
         saved = run_dir.latest_checkpoint_step(workdir)
@@ -39,6 +41,15 @@ def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def refused(prog: str, error: Exception) -> int:
+    """Exit code 2 with ``error`` as one line on stderr: the run cannot go on as configured (a flag,
+    the data, damaged records). A signal whose exception was swallowed meanwhile stops the run instead."""
+    if _received:  # raised inside a callback that swallowed it (jax's gc callback): it stops the run
+        raise _Interrupted(_received[0]) from None
+    print(f"{prog}: {error}", file=sys.stderr)
+    return 2
 
 
 def _run(prog: str, config, workdir: str, overrides: list[str], processes) -> int:
@@ -58,11 +69,8 @@ def _run(prog: str, config, workdir: str, overrides: list[str], processes) -> in
     join_processes(processes)  # before anything starts JAX's backends
     try:
         result = train_and_evaluate(config, workdir)
-    except (DataError, UsageError) as error:
-        if _received:  # the signal's exception was swallowed (raised inside a gc callback): it stops the run
-            raise _Interrupted(_received[0]) from None
-        print(f"{prog}: {error}", file=sys.stderr)
-        return 2
+    except (DataError, UsageError, run_dir.DamagedRecords) as error:
+        return refused(prog, error)
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
 
 

@@ -11,16 +11,15 @@ nn.remat (--remat); every linear layer is compressed through bsr_jax.compress_mo
 (B, T, V) logits never exist).
 Exit codes: 0 done, 2 a bad flag or unreadable data (one line on stderr), 128 + signal when
 SIGINT/SIGTERM stopped it: in training after a checkpoint (--resume continues it bit for bit),
-before (JAX starting, the corpus and tokenizer being prepared) with one line on stderr.
+outside it (JAX starting, the corpus and tokenizer being prepared) with one line on stderr.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 from collections.abc import Sequence
 
-from train import cli, run_dir
+from train import cli
 
 PROG = "train.lm"
 
@@ -32,24 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config, workdir, overrides = parse(PROG, __doc__, argv)
     if config.resume and overrides:
         print(f"{PROG}: resuming {workdir} with its config.json, changing {', '.join(overrides)}")
-    # SIGINT/SIGTERM before the loop's own handlers (train.stopping) are installed, or after: while
-    # JAX starts or the corpus and tokenizer are prepared. Both go through train.cli's recording
-    # handler (as train.cifar's do), so a signal whose exception Python raised inside jax's gc
-    # callback (which swallows it) still stops the run at its next error.
-    previous = {signum: signal.signal(signum, cli._raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
-    cli._received.clear()
-    try:
-        return _run(config, workdir)
-    except (KeyboardInterrupt, cli._Interrupted) as interrupt:
-        signum = interrupt.signum if isinstance(interrupt, cli._Interrupted) else signal.SIGINT
-        saved = run_dir.latest_checkpoint_step(workdir)
-        after = ("before the first step; run it again" if saved is None
-                 else f"before training went on; its last checkpoint is step {saved}: continue with --resume")  # fmt: skip
-        print(f"{PROG}: stopped by {signal.Signals(signum).name} {after}", file=sys.stderr)
-        return 128 + signum
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    return cli.run_interruptible(PROG, workdir, lambda: _run(config, workdir))
 
 
 def _run(config, workdir: str) -> int:
@@ -62,10 +44,7 @@ def _run(config, workdir: str) -> int:
     try:
         result = train_and_evaluate(config, workdir)
     except (DataError, UsageError, DamagedRecords) as error:
-        if cli._received:  # the signal's exception was swallowed (raised inside a gc callback): it stops the run
-            raise cli._Interrupted(cli._received[0]) from None
-        print(f"{PROG}: {error}", file=sys.stderr)
-        return 2
+        return cli.refused(PROG, error)
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
 
 

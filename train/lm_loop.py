@@ -16,7 +16,6 @@ perplexity, bits per byte of the validation text).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -30,8 +29,7 @@ import numpy as np
 import optax
 
 import bsr_jax
-from bsr_jax.schedules import warmup_fraction
-from train import lm_data, metrics, planning, progress, run_dir, sharding, stopping
+from train import lm_data, metrics, planning, run_dir, settings, sharding, steps, stopping
 from train.checkpoint import Checkpoints
 from train.data import prefetch
 from train.lm_config import LMConfig, UsageError
@@ -172,7 +170,7 @@ def finished_at(workdir: str, stop_step: int) -> int | None:
     step = run_dir.latest_checkpoint_step(workdir)
     if step is None or step < stop_step:
         return None
-    return step if any(r.get("kind") == "eval" and r["step"] == step for r in _records(workdir)) else None
+    return step if step in run_dir.evaluated_steps(workdir) else None
 
 
 def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
@@ -189,16 +187,10 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     """
     started = time.perf_counter()
     saved = run_dir.read_saved(workdir)
-    if not config.resume and run_dir.latest_checkpoint_step(workdir) is not None:
-        raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
-    if config.resume and saved is not None:
-        done = finished_at(workdir, config.stop_step)
-        if done is not None:
-            metrics.say(f"the run in {workdir} already finished at step {done}")
-            return {"step": done, "stopped_by": None, "summary": None}
-        conflicts = config.resume_conflicts(LMConfig.from_json(saved["config"]))
-        if conflicts:
-            raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
+    done = settings.check_workdir(config, workdir, saved, lambda: finished_at(workdir, config.stop_step))
+    if done is not None:
+        metrics.say(f"the run in {workdir} already finished at step {done}")
+        return {"step": done, "stopped_by": None, "summary": None}
     planning.check_budget(config.memory_budget, UsageError)
     mesh = sharding.make_mesh()
     if config.batch_size % mesh.devices.size:
@@ -306,72 +298,33 @@ def _train(run: _Run, state, train_steps: dict[float, Any], memory: dict, start_
     """Steps ``start_step`` -> ``config.stop_step``, evaluating, logging and saving as configured."""
     config, workdir, mesh, seq_len, val_windows = run.config, run.workdir, run.mesh, run.seq_len, run.val_windows
     log, checkpoints, eval_step, stop_step = run.log, run.checkpoints, run.eval_step, config.stop_step
-    result: dict[str, Any] = {"memory": memory}
-    interval: list[dict] = []
-    timer = metrics.StepTimer()
     tokens_per_step = config.batch_size * seq_len
-    per_epoch = lm_data.steps_per_epoch(len(run.train_stream), seq_len, config.batch_size)
-    evaluated = {r["step"] for r in _records(workdir) if r.get("kind") == "eval"}
-    eval_due = lambda step: step % config.eval_every == 0 or step == stop_step
     usable = len(val_windows) - len(val_windows) % mesh.devices.size  # whole shards only
 
-    def run_eval(step: int, stop: stopping.StopRequest) -> bool:
-        """Evaluate and log; True when a stop was requested (the evaluation is then dropped: a resumed run redoes it)."""
+    def evaluate(step: int, state, stop: stopping.StopRequest) -> dict | None:
+        """The eval record; None when a stop was requested (the evaluation is dropped: a resumed run redoes it)."""
         total = 0.0
         for i in range(0, usable, config.batch_size):
             if stop.agreed() is not None:
-                return True
+                return None
             rows = sharding.local_rows(val_windows[i : min(i + config.batch_size, usable)])
             total += float(eval_step(state["params"], {"tokens": jax.make_array_from_process_local_data(sharding.batch_sharding(mesh), rows)}))
         loss = total / (usable * seq_len)
-        result["eval"] = {"kind": "eval", "step": step, "val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50))),
-                          "val_bits_per_byte": loss / np.log(2) * run.val_tokens_per_byte}  # fmt: skip
-        log(result["eval"])
-        return stop.agreed() is not None
+        return {"kind": "eval", "step": step, "val_loss": loss, "val_perplexity": float(np.exp(min(loss, 50))),
+                "val_bits_per_byte": loss / np.log(2) * run.val_tokens_per_byte}  # fmt: skip
 
-    step = start_step
     batches = lm_data.train_batches(run.train_stream, start_step, seed=config.seed, batch_size=config.batch_size, seq_len=seq_len)
     placed = prefetch(({"tokens": b} for b in map(sharding.local_rows, batches)), sharding=sharding.batch_sharding(mesh))
-    with stopping.stop_on_signals() as stop, contextlib.closing(placed), \
-            progress.bar(total=stop_step, initial=start_step, unit="step", desc="training", hidden=jax.process_index() != 0) as bar:  # fmt: skip
-        signalled = False
-        if start_step > 0 and eval_due(start_step) and start_step not in evaluated:  # stopped during that evaluation
-            signalled = run_eval(start_step, stop)
-        while step < stop_step and not signalled:
-            level = warmup_fraction(step, warmup_steps=config.sparsity_warmup_steps)
-            if level not in train_steps:
-                train_steps[level] = run.compile_step(level)
-            state, step_metrics = train_steps[level](state, next(placed))
-            interval.append(jax.device_get(step_metrics))  # one step in flight: a signal stops within a step
-            step += 1
-            if step == start_step + 1:  # the first step compiles and warms up: not timed
-                timer.restart()
-            else:
-                timer.steps += 1
-            shown = {"loss": f"{interval[-1]['loss']:.3f}"}
-            if timer.steps:
-                shown["tokens_per_s"] = f"{timer.images_per_s(tokens_per_step):.0f}"
-            bar.set_postfix(shown, refresh=False)
-            bar.update(1)
-            signalled = stop.agreed() is not None
-            if step % config.log_every == 0 or eval_due(step) or signalled:
-                record = metrics.train_record(interval, timer, step, per_epoch, tokens_per_step)
-                record = {k.replace("images_per_s", "tokens_per_s"): v for k, v in record.items()}
-                result["train"] = record
-                log(record)
-                interval = []
-            if step % config.checkpoint_every == 0 or step == stop_step or signalled:
-                checkpoints.save(step, state)
-            if eval_due(step) and not signalled:
-                signalled = run_eval(step, stop)
-            if not interval:
-                timer.restart()
-    checkpoints.save(step, state)
-    checkpoints.close()
-    stopped_by = stop.agreed()
-    if stopped_by is not None:
-        metrics.say(f"stopped by {signal.Signals(stopped_by).name} at step {step}; continue with --resume")
-    result.update(step=step, stopped_by=stopped_by)
+    state, result = steps.run_steps(
+        state, placed, start_step=start_step, stop_step=stop_step,
+        steps_per_epoch=lm_data.steps_per_epoch(len(run.train_stream), seq_len, config.batch_size),
+        items_per_step=tokens_per_step, items="tokens", train_steps=train_steps, compile_step=run.compile_step,
+        warmup_steps=config.sparsity_warmup_steps, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
+        eval_due=lambda step: step % config.eval_every == 0 or step == stop_step, evaluate=evaluate,
+        evaluated=run_dir.evaluated_steps(workdir), checkpoints=checkpoints, log=log,
+    )  # fmt: skip
+    result["memory"] = memory
+    step, stopped_by = result["step"], result["stopped_by"]
     result["summary"] = summary(workdir, step, stop_step, stopped_by, time.perf_counter() - run.started) if jax.process_index() == 0 else None
     return result
 
@@ -407,8 +360,3 @@ def summary(workdir: str, step: int, stop_step: int, stopped_by: int | None, wal
     return out
 
 
-def _records(workdir: str) -> list[dict[str, Any]]:
-    try:
-        return run_dir.read_records(workdir)
-    except FileNotFoundError:
-        return []

@@ -28,7 +28,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -38,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import data, metrics, planning, progress, run_dir, sharding, stopping
+from train import data, metrics, planning, progress, run_dir, settings, sharding, steps, stopping
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
-from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules, warmup_fraction
+from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules
 from train.models import check_layer_rules, create_model, dense_counterpart, predict
 
 # {"step": int32 (), "params": pytree, "opt_state": pytree}, plus "batch_stats" for BatchNorm models.
@@ -193,17 +192,11 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     started = time.perf_counter()
     saved = run_dir.read_saved(workdir)
     # Evaluations the run already logged, read by every process before process 0 rewrites the log.
-    evaluated = {r["step"] for r in _records(workdir) if r.get("kind") == "eval"} if config.resume else set()
-    if not config.resume and run_dir.latest_checkpoint_step(workdir) is not None:
-        raise UsageError(f"{workdir} already holds checkpoints: pass --resume to continue, or another --workdir")
-    if config.resume and saved is not None:
-        done = run_dir.finished_at(workdir, config.steps, config.epochs)
-        if done is not None:
-            metrics.say(f"the run in {workdir} already finished at step {done}")
-            return {"step": done, "stopped_by": None, "summary": None}
-        conflicts = config.resume_conflicts(TrainConfig.from_json(saved["config"]))
-        if conflicts:
-            raise UsageError(f"{workdir} was trained with other settings: {'; '.join(conflicts)}")
+    evaluated = run_dir.evaluated_steps(workdir) if config.resume else set()
+    done = settings.check_workdir(config, workdir, saved, lambda: run_dir.finished_at(workdir, config.steps, config.epochs))
+    if done is not None:
+        metrics.say(f"the run in {workdir} already finished at step {done}")
+        return {"step": done, "stopped_by": None, "summary": None}
     check_layer_rules(config)  # before the data: a typo should not wait for a download
     planning.check_budget(config.memory_budget, UsageError)
     mesh = sharding.make_mesh()
@@ -297,64 +290,22 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {steps_per_epoch} steps/epoch, steps {start_step} -> {stop_step}")
 
     # ------------------------------------------------------------------ train
-    result: dict[str, Any] = {"memory": memory}
-    interval: list[dict] = []  # metrics of the steps since the last record
-    timer = metrics.StepTimer()
     eval_batches = math.ceil(len(test_data) / config.eval_batch_size)
 
-    def eval_due(step: int) -> bool:
-        return step % steps_per_epoch == 0 or step == stop_step
-
-    def run_eval(step: int, stop: stopping.StopRequest) -> bool:
-        """Evaluate and log; True when a stop was requested (the evaluation may have been dropped)."""
+    def evaluate_step(step: int, state, stop: stopping.StopRequest) -> dict | None:
         test_batches = data.eval_batches(test_data, config.eval_batch_size, image_size=crop)
         scores = evaluate(eval_step, model_variables(state), test_batches, mesh, eval_batches, stop)
-        if scores is not None:
-            result["eval"] = {"kind": "eval", "step": step, "epoch": step / steps_per_epoch, **scores}
-            log(result["eval"])
-        return stop.agreed() is not None
+        return None if scores is None else {"kind": "eval", "step": step, "epoch": step / steps_per_epoch, **scores}
 
-    step = start_step
-    with stopping.stop_on_signals() as stop, contextlib.closing(_batches_from(step, steps_per_epoch, train_data, config, crop, mesh)) as batches, \
-            progress.bar(total=stop_step, initial=start_step, unit="step", desc="training", hidden=_quiet()) as bar:  # fmt: skip
-        signalled = False
-        if start_step > 0 and eval_due(start_step) and start_step not in evaluated:  # stopped during that evaluation
-            signalled = run_eval(start_step, stop)
-        while step < stop_step and not signalled:
-            level = warmup_fraction(step, warmup_steps=warmup_steps)
-            if level not in train_steps:
-                train_steps[level] = compile_step(level)
-            state, step_metrics = train_steps[level](state, next(batches))
-            # Waiting for each step keeps one step in flight: a signal stops the run within one
-            # step's time, and the bar counts finished steps (the batches are prefetched meanwhile).
-            interval.append(jax.device_get(step_metrics))
-            step += 1
-            if step == start_step + 1:  # the first step's time includes warm-up: not timed
-                timer.restart()
-            else:
-                timer.steps += 1
-            shown = {"loss": f"{interval[-1]['loss']:.3f}"}
-            if timer.steps:  # the first step, which compiles, is not timed
-                shown["images_per_s"] = f"{timer.images_per_s(config.batch_size):.0f}"
-            bar.set_postfix(shown, refresh=False)
-            bar.update(1)
-            signalled = stop.agreed() is not None
-            if step % config.log_every == 0 or eval_due(step) or signalled:
-                result["train"] = metrics.train_record(interval, timer, step, steps_per_epoch, config.batch_size)
-                log(result["train"])
-                interval = []
-            if step % config.checkpoint_every == 0 or step == stop_step or signalled:
-                checkpoints.save(step, state)
-            if eval_due(step) and not signalled:
-                signalled = run_eval(step, stop)
-            if not interval:  # a record was written: time from here, without logging/saving/eval
-                timer.restart()
-    checkpoints.save(step, state)
-    checkpoints.close()
-    stopped_by = stop.agreed()
-    if stopped_by is not None:
-        metrics.say(f"stopped by {signal.Signals(stopped_by).name} at step {step}; continue with --resume")
-    result.update(step=step, stopped_by=stopped_by)
+    state, result = steps.run_steps(
+        state, _batches_from(start_step, steps_per_epoch, train_data, config, crop, mesh), start_step=start_step,
+        stop_step=stop_step, steps_per_epoch=steps_per_epoch, items_per_step=config.batch_size, items="images",
+        train_steps=train_steps, compile_step=compile_step, warmup_steps=warmup_steps, log_every=config.log_every,
+        checkpoint_every=config.checkpoint_every, eval_due=lambda step: step % steps_per_epoch == 0 or step == stop_step,
+        evaluate=evaluate_step, evaluated=evaluated, checkpoints=checkpoints, log=log,
+    )  # fmt: skip
+    result["memory"] = memory
+    step, stopped_by = result["step"], result["stopped_by"]
     if jax.process_index() != 0:  # the records are process 0's
         return {**result, "summary": None}
     result["summary"] = metrics.run_summary(
@@ -367,13 +318,6 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
 def _quiet() -> bool:
     """Progress bars on process 0 only (and there, as every bar, on a terminal only: ``train.progress``)."""
     return jax.process_index() != 0
-
-
-def _records(workdir: str) -> list[dict[str, Any]]:
-    try:
-        return run_dir.read_records(workdir)
-    except FileNotFoundError:
-        return []
 
 
 def _batches_from(step: int, steps_per_epoch: int, train_data: data.ArrayDataset, config: TrainConfig, crop, mesh) -> Iterator[dict]:

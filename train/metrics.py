@@ -152,13 +152,14 @@ class StepTimer:
     def restart(self) -> None:
         self.start, self.steps = time.perf_counter(), 0
 
-    def images_per_s(self, batch_size: int) -> float:
-        """Throughput of the timed steps (0 before any), assuming they have finished."""
-        return batch_size * self.steps / (time.perf_counter() - self.start) if self.steps else 0.0
+    def per_s(self, items_per_step: int) -> float:
+        """Throughput (items a second) of the timed steps (0 before any), assuming they have finished."""
+        return items_per_step * self.steps / (time.perf_counter() - self.start) if self.steps else 0.0
 
 
-def train_record(interval: list[dict], timer: StepTimer, step: int, steps_per_epoch: int, batch_size: int) -> dict:
-    """Mean metrics of the steps since the last record; raises on a non-finite loss."""
+def train_record(interval: list[dict], timer: StepTimer, step: int, steps_per_epoch: int, items_per_step: int, items: str) -> dict:
+    """Mean metrics of the steps since the last record, with the throughput as ``{items}_per_s``;
+    raises on a non-finite loss."""
     values = jax.device_get(interval)
     elapsed = time.perf_counter() - timer.start  # after device_get: every step has finished
     losses = np.array([v["loss"] for v in values])
@@ -168,7 +169,7 @@ def train_record(interval: list[dict], timer: StepTimer, step: int, steps_per_ep
     record = {"kind": "train", "step": step, "epoch": step / steps_per_epoch}
     record.update({k: float(np.mean([v[k] for v in values])) for k in values[0]})
     if timer.steps:
-        record.update(step_time_s=elapsed / timer.steps, images_per_s=batch_size * timer.steps / elapsed)
+        record.update({"step_time_s": elapsed / timer.steps, f"{items}_per_s": items_per_step * timer.steps / elapsed})
     peak = device_peak_mib()
     if peak is not None:
         record["device_peak_mib"] = peak

@@ -99,8 +99,12 @@ def finished_at(workdir: str, steps: int | None, epochs: int) -> int | None:
         return None
     if step < stop_step(steps, epochs, saved["run"]["steps_per_epoch"]):
         return None
+    return step if step in evaluated_steps(workdir) else None
+
+
+def evaluated_steps(workdir: str) -> set[int]:
+    """The steps with an eval record in ``workdir``'s metrics (none where it has no metrics yet)."""
     try:
-        evaluated = {r["step"] for r in read_records(workdir) if r.get("kind") == "eval"}
+        return {r["step"] for r in read_records(workdir) if r.get("kind") == "eval"}
     except FileNotFoundError:
-        return None
-    return step if step in evaluated else None
+        return set()

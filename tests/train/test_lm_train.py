@@ -204,5 +204,5 @@ def test_a_signal_swallowed_before_the_loop_still_stops_the_run(cache, capsys, m
     before = signal.getsignal(signal.SIGINT)
     assert lm.main(["--workdir", str(cache / "run")]) == 128 + signal.SIGINT
     err = capsys.readouterr().err
-    assert err.startswith("train.lm: stopped by SIGINT before the first step") and err.count("\n") == 1, err
+    assert err.startswith("train.lm: stopped by SIGINT; no checkpoint to resume from: run it again") and err.count("\n") == 1, err
     assert signal.getsignal(signal.SIGINT) is before and cli._received == [signal.SIGINT]  # handler restored
