@@ -42,9 +42,9 @@ def test_forward_bitwise_parameters_unchanged_and_only_kernel_grads_approximate(
     model, x, loss, params = _tiny(name)
     compressed = compress_model(model, PRUNE)
     chex.assert_trees_all_equal_structs(compressed.init(jax.random.key(0), x), params)
-    chex.assert_trees_all_equal(compressed.apply(params, x), model.apply(params, x))
+    chex.assert_trees_all_equal(jax.jit(compressed.apply)(params, x), jax.jit(model.apply)(params, x))
     argnums = (0, 1) if jnp.issubdtype(x.dtype, jnp.floating) else 0
-    grad = lambda m: jax.grad(lambda p, x: loss(m.apply(p, x)), argnums)(params, x)
+    grad = lambda m: jax.jit(jax.grad(lambda p, x: loss(m.apply(p, x)), argnums))(params, x)
     got, want = grad(compressed), grad(model)
     flat_got, flat_want = jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)
     differing = 0
@@ -60,7 +60,7 @@ def test_forward_bitwise_parameters_unchanged_and_only_kernel_grads_approximate(
 def test_sparsity_zero_rules_give_dense_gradients(name):
     model, x, loss, params = _tiny(name)
     compressed = compress_model(model, [Rule("*", Pruning(0.0))])
-    grad = lambda m: jax.grad(lambda p: loss(m.apply(p, x)))(params)
+    grad = lambda m: jax.jit(jax.grad(lambda p: loss(m.apply(p, x))))(params)
     chex.assert_trees_all_close(grad(compressed), grad(model), rtol=2e-5, atol=2e-6)
 
 
@@ -154,10 +154,10 @@ def test_dense_general_shapes_against_masked_reference(features, axis):
     layer = nn.DenseGeneral(features, axis=axis)
     params = tpm.jitter(layer.init(jax.random.key(3), x))
     compressed = compress_model(layer, [Rule("*", Pruning(0.5, block=8))], lean=False)
-    chex.assert_trees_all_equal(compressed.apply(params, x), layer.apply(params, x))
+    chex.assert_trees_all_equal(jax.jit(compressed.apply)(params, x), jax.jit(layer.apply)(params, x))
     c = jax.random.normal(jax.random.key(4), layer.apply(params, x).shape)
     loss = lambda m, p, x: jnp.vdot(m.apply(p, x), c)
-    (dp, dx), (dp_dense, dx_dense) = (jax.grad(lambda p, x: loss(m, p, x), (0, 1))(params, x) for m in (compressed, layer))
+    (dp, dx), (dp_dense, dx_dense) = (jax.jit(jax.grad(lambda p, x: loss(m, p, x), (0, 1)))(params, x) for m in (compressed, layer))
     chex.assert_trees_all_close(dx, dx_dense, rtol=1e-5, atol=1e-5)
     contracted = 1 if axis == -1 else 2
     k = int(np.prod(x.shape[x.ndim - contracted :]))
@@ -247,12 +247,12 @@ def test_convs_forward_bitwise_dx_exact_dw_at_the_compressed_input(conv_cls, str
     params = tpm.jitter(layer.init(jax.random.key(1), x))
     compressed = compress_model(layer, [Rule("*", compression)], lean=False)
     chex.assert_trees_all_equal_structs(compressed.init(jax.random.key(1), x), params)
-    y = layer.apply(params, x)
-    chex.assert_trees_all_equal(compressed.apply(params, x), y)
+    y = jax.jit(layer.apply)(params, x)
+    chex.assert_trees_all_equal(jax.jit(compressed.apply)(params, x), y)
     c = jax.random.normal(jax.random.key(2), y.shape)
     loss = lambda m, p, x: jnp.vdot(m.apply(p, x), c)  # linear: dy = c wherever the conv is evaluated
-    dp, dx = jax.grad(lambda p, x: loss(compressed, p, x), (0, 1))(params, x)
-    dp_dense, dx_dense = jax.grad(lambda p, x: loss(layer, p, x), (0, 1))(params, x)
+    dp, dx = jax.jit(jax.grad(lambda p, x: loss(compressed, p, x), (0, 1)))(params, x)
+    dp_dense, dx_dense = jax.jit(jax.grad(lambda p, x: loss(layer, p, x), (0, 1)))(params, x)
     chex.assert_trees_all_close(dx, dx_dense, rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(dp["params"]["bias"], dp_dense["params"]["bias"], rtol=1e-6, atol=1e-6)
     if isinstance(compression, bsr_jax.Pooling):
@@ -260,7 +260,7 @@ def test_convs_forward_bitwise_dx_exact_dw_at_the_compressed_input(conv_cls, str
     else:
         x_hat = reference.kept_input(np.asarray(x, np.float64).reshape(-1, 16), 0.5, 8).reshape(x.shape)
     # The exact gradient of the unmodified layer (standardisation included) at the compressed input.
-    want = jax.grad(lambda p: loss(layer, p, jnp.asarray(x_hat, jnp.float32)))(params)
+    want = jax.jit(jax.grad(lambda p: loss(layer, p, jnp.asarray(x_hat, jnp.float32))))(params)
     chex.assert_trees_all_close(dp["params"]["kernel"], want["params"]["kernel"], rtol=1e-5, atol=1e-4)
     assert not np.allclose(dp["params"]["kernel"], dp_dense["params"]["kernel"], rtol=1e-3)
 

@@ -8,13 +8,14 @@ import sys
 import pytest
 
 from bsr_jax import sharding
+from tests import host_devices
 
 
 def test_sharded_ops_match_per_shard_reference_on_four_devices():
     # XLA flags must be set before JAX starts, hence a fresh interpreter with 4 host devices.
     script = os.path.join(os.path.dirname(__file__), "sharding_check.py")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": host_devices.xla_flags(4), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, script], env=env, cwd=root, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 devices: sharding checks passed" in done.stdout

@@ -8,7 +8,6 @@ the two agree only if the loop's padding, masking, summation and sharding are ri
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import numpy as np

@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from train import lm, run_dir
+from tests import host_devices
 from train.lm_config import LMConfig
 from train.lm_data import stdlib_root
 from train.lm_loop import train_and_evaluate
@@ -150,7 +151,7 @@ def test_cli_on_4_devices_trains_what_one_device_trains(cache):
     flags = ["--data-dir", CORPUS, "--val-fraction", "0.2", "--tokenizer", "bytes", "--dim", "32", "--depth", "2", "--heads", "2",
              "--seq-len", "16", "--batch-size", "8", "--steps", "3", "--log-every", "1", "--eval-windows", "8", "--dtype", "float32",
              "--storage-dtype", "int8", "--block", "16", "--scan", "--loss-chunk", "24"]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": host_devices.xla_flags(4)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-m", "train.lm", *flags, "--workdir", str(cache / "four")], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)  # fmt: skip

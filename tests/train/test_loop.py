@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from train import data, loop, metrics, sharding
+from tests import host_devices
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
 
@@ -235,7 +236,7 @@ def test_data_parallel_matches_single_device():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": host_devices.xla_flags(4),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
     }

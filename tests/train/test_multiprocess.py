@@ -17,10 +17,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import chex
-import numpy as np
 import pytest
 
 from benchmarks.multiprocess import LOSS_TOLERANCE, STATE_TOLERANCE, TINY_RUN, final_state, free_port, launch, step_records
+from tests import host_devices
 from train import config as config_lib
 from train.config import CIFAR_DEFAULTS, Processes
 
@@ -121,7 +121,7 @@ def test_resume_over_two_processes_continues_bit_for_bit(cifar_image_folder, tmp
 
 @pytest.mark.slow  # 27 s on 2 busy cores
 def test_a_signal_to_one_process_stops_both_at_the_same_step(cifar_image_folder, tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": host_devices.xla_flags(2)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     workdir = tmp_path / "run"
     flags = ["--data-dir", str(cifar_image_folder), "--cache-dir", str(cifar_image_folder / "cache"), "--workdir", str(workdir),

@@ -21,6 +21,7 @@ import optax
 
 import bsr_jax
 from train import loop, sharding
+from tests import host_devices
 
 DEVICES, ROWS, BLOCK_COLUMNS, BK = 4, 8, 8, 4
 DONE = "pruning keys: all checks passed"
@@ -75,7 +76,7 @@ def test_stochastic_pruning_keys_differ_per_step_and_per_device():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+        "XLA_FLAGS": host_devices.xla_flags(DEVICES),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
     }

@@ -170,7 +170,7 @@ def test_created_resnet_keeps_the_lean_figure():
 
 DATA_PARALLEL_SCRIPT = """
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"  # after the suite's
 import jax, jax.numpy as jnp, numpy as np
 from train import loop, sharding
 from train.config import TrainConfig
