@@ -95,9 +95,9 @@ def test_resmlp_with_approximate_dx_keeps_its_forward_and_parameters():
     exact, approx = models.ResMLP(**common), models.ResMLP(**common, dx="int8")
     params = exact.init(jax.random.key(0), x)
     chex.assert_trees_all_equal(jax.tree.structure(params), jax.tree.structure(approx.init(jax.random.key(0), x)))
-    chex.assert_trees_all_equal(approx.apply(params, x), exact.apply(params, x))
+    chex.assert_trees_all_equal(jax.jit(approx.apply)(params, x), jax.jit(exact.apply)(params, x))
     loss = lambda m: (lambda p: jnp.mean(m.apply(p, x) ** 2))  # noqa: E731
-    got, want = jax.grad(loss(approx))(params), jax.grad(loss(exact))(params)
+    got, want = jax.jit(jax.grad(loss(approx)))(params), jax.jit(jax.grad(loss(exact)))(params)
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
     errors = [_relative(g, w) for g, w in zip(flat_got, flat_want) if float(jnp.linalg.norm(w)) > 0]
     assert max(errors) < 0.05 and np.mean(errors) > 0  # approximate, close
