@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 import bsr_jax
 from bsr_jax import Pruning, Rule, compress_model

@@ -4,7 +4,7 @@ stacks), each candidate ``compress_model`` with rules, lean modes, dx and remat 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
