@@ -145,6 +145,7 @@ class TrainConfig(Settings):
                 if getattr(self, name) != defaults[name]:
                     raise InvalidSetting(name, f"{name} applies to ResMLP models only, got {show(getattr(self, name))} with model {self.model}")
 
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Processes:
     """This process's place in a run over several processes (``jax.distributed.initialize``).

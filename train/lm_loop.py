@@ -165,14 +165,6 @@ def prepare_data(config: LMConfig) -> tuple[lm_data.Corpus, Any, np.ndarray, np.
     return corpus, tokenizer, *streams
 
 
-def finished_at(workdir: str, stop_step: int) -> int | None:
-    """The step a finished run in ``workdir`` ended at (checkpoint and final evaluation written), or None."""
-    step = run_dir.latest_checkpoint_step(workdir)
-    if step is None or step < stop_step:
-        return None
-    return step if step in run_dir.evaluated_steps(workdir) else None
-
-
 def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     """Train ``config`` in ``workdir``.
 
@@ -187,7 +179,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     """
     started = time.perf_counter()
     saved = run_dir.read_saved(workdir)
-    done = settings.check_workdir(config, workdir, saved, lambda: finished_at(workdir, config.stop_step))
+    done = settings.check_workdir(config, workdir, saved, lambda: run_dir.finished_at_step(workdir, config.stop_step))
     if done is not None:
         metrics.say(f"the run in {workdir} already finished at step {done}")
         return {"step": done, "stopped_by": None, "summary": None}
@@ -358,5 +350,3 @@ def summary(workdir: str, step: int, stop_step: int, stopped_by: int | None, wal
         f"  checkpoint       {out['checkpoint']}",
     ]))  # fmt: skip
     return out
-
-

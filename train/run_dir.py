@@ -94,10 +94,15 @@ def stop_step(steps: int | None, epochs: int, steps_per_epoch: int) -> int:
 def finished_at(workdir: str, steps: int | None, epochs: int) -> int | None:
     """The step a finished run in ``workdir`` ended at (its checkpoint and final evaluation are
     written), or None when there is something left to do (or no run)."""
-    saved, step = read_saved(workdir), latest_checkpoint_step(workdir)
-    if saved is None or step is None:
-        return None
-    if step < stop_step(steps, epochs, saved["run"]["steps_per_epoch"]):
+    saved = read_saved(workdir)
+    return None if saved is None else finished_at_step(workdir, stop_step(steps, epochs, saved["run"]["steps_per_epoch"]))
+
+
+def finished_at_step(workdir: str, stop_step: int) -> int | None:
+    """``finished_at`` for a run that ends at ``stop_step``: its last checkpoint, if at or past
+    ``stop_step`` and evaluated, else None."""
+    step = latest_checkpoint_step(workdir)
+    if step is None or step < stop_step:
         return None
     return step if step in evaluated_steps(workdir) else None
 

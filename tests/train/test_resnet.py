@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import bsr_jax
+from tests import host_devices
 from train.resnet import PRESETS, BottleneckResNetBlock, ResNet, ResNet18, ResNetBlock, conv_def
 
 
@@ -169,8 +170,6 @@ def test_created_resnet_keeps_the_lean_figure():
 
 
 DATA_PARALLEL_SCRIPT = """
-import os
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"  # after the suite's
 import jax, jax.numpy as jnp, numpy as np
 from train import loop, sharding
 from train.config import TrainConfig
@@ -205,6 +204,6 @@ def test_data_parallel_train_step_averages_batch_stats_over_devices():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": host_devices.xla_flags(2)}
     done = subprocess.run([sys.executable, "-c", DATA_PARALLEL_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
