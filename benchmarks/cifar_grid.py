@@ -47,7 +47,7 @@ CONFIGS: dict[str, list[str]] = {
     "all-s0.5-b16-int8-stoch": [
         "--sparsity", "0.5", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8", "--stochastic",
     ],
-    # The recommended setting with approximate dx: the GELU input stored in int8 (bsr_jax.dx).
+    # The recommended setting with approximate dx: the GELU input stored in int8 (bsr_jax.ops.dx).
     "all-s0-b16-int4-dx8": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int4", "--dx", "int8"],
     # Issue 14's accuracy study (benchmarks/resnet_study.py runs it): ResNet-18 at a quarter of its
     # width (--dim 16: several epochs an hour on 2 cores, benchmarks/resnet_step_time.py), dense, every

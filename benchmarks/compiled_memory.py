@@ -2,7 +2,7 @@
 
 Each row is one model and one setting: the whole step (loss, grad, optax adamw; params and optimizer
 state donated) compiled by XLA's GPU or TPU compiler on this machine (``bsr_jax.compiled_memory``),
-with its peak, its modelled step time (XLA:TPU's own model on TPU, ``bsr_jax.roofline`` on H100,
+with its peak, its modelled step time (XLA:TPU's own model on TPU, ``bsr_jax.measure.roofline`` on H100,
 and the roofline on both), each as a ratio to the dense step on the same target, FLOPs, the five
 largest modules live at the peak and the ten costliest kernels; and one figure per model of peak
 vs modelled time with the Pareto front (docs/results/plane-MODEL.png). Results are appended to the JSON as they come, and
@@ -18,7 +18,7 @@ parameter-gradient residual in int4, the recommended setting); ``lean`` (compres
 ``Rule("*", None)``: lean neighbours only); ``remat`` (``nn.remat`` per block); ``remat-dots``
 (per block, ``dots_with_no_batch_dims_saveable``); ``remat-dots-all`` (``dots_saveable``);
 ``remat-offload`` (``offload_dot_with_no_batch_dims`` to ``pinned_host``); ``int4-dx8`` and
-``int4-dx4`` (``int4`` with what exact dx needs stored in int8 / int4, ``bsr_jax.dx``: ResMLP's
+``int4-dx4`` (``int4`` with what exact dx needs stored in int8 / int4, ``bsr_jax.ops.dx``: ResMLP's
 GELU input; in ViT and the LM, ``compress_model(dx=...)``: every norm, activation and attention
 input; approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
@@ -45,8 +45,9 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
-from bsr_jax import Pooling, Pruning, Rule, presets  # noqa: E402
-from bsr_jax.compiled import DEVICELESS_TARGETS  # noqa: E402
+from bsr_jax import Pooling, Pruning, Rule
+from bsr_jax.rewrite import presets  # noqa: E402
+from bsr_jax.measure.compiled import DEVICELESS_TARGETS  # noqa: E402
 from benchmarks.models import remat_blocks  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from tests import third_party_models as tpm  # noqa: E402
@@ -61,7 +62,7 @@ TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md s
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 # The same storage with one scale per 128 values of a row: lane-dense as blocks on TPU (docs/memory.md).
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
-# int4 with approximate dx (bsr_jax.dx): ResMLP's GELU input, a compress_model'd model's every
+# int4 with approximate dx (bsr_jax.ops.dx): ResMLP's GELU input, a compress_model'd model's every
 # recognised norm, activation and attention input (compress_model(dx=...)) stored in int8 / int4.
 DX_SETTINGS = {"int4-dx8": "int8", "int4-dx4": "int4"}
 # presets.recommended's measured settings (every residual under one Pruning), peaks read back by

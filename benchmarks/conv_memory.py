@@ -5,7 +5,7 @@ For ResNet-18 on CIFAR shapes (32 px, 10 classes, 3x3 stem) and ResNet-50 on Ima
 with one compression: none (dense), int8 storage only, window means of 2x2 (pool2) or 4x4 (pool4)
 windows (Barley & Fröning, arXiv 2409.11902), or block pruning at sparsity 0.7, block 16 (the BSR
 method on ``(N*H*W, C)``), each also with int8 storage. Each configuration is traced twice: as is,
-and inside ``bsr_jax.lean.lean_neighbours()`` (BatchNorm keeps only its input and parameters,
+and inside ``bsr_jax.rewrite.lean.lean_neighbours()`` (BatchNorm keeps only its input and parameters,
 ReLU a 1-bit mask). Reported per row:
 
 * act MiB: what the backward pass keeps that is not a parameter (``residual_bytes`` activations +
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import optax
 
 import bsr_jax
-from bsr_jax.lean import lean_neighbours
-from bsr_jax.memory import MIB
+from bsr_jax.rewrite.lean import lean_neighbours
+from bsr_jax.measure.memory import MIB
 from train.resnet import ResNet18, ResNet50, conv_def
 
 if __package__:  # python -m benchmarks.conv_memory

@@ -2,7 +2,7 @@
 
 ``compress_model(model, Rule("*", None), dx=fmt)`` keeps no linear input compressed (no dW
 compression) and stores, for the backward pass, what each recognised norm, activation and attention
-reads in ``fmt`` (``bsr_jax.dx``: int8 / int4 codes, one float32 scale per 1 x 128 group): only dx
+reads in ``fmt`` (``bsr_jax.ops.dx``: int8 / int4 codes, one float32 scale per 1 x 128 group): only dx
 is approximate, and every gradient error below comes from it.
 
 For each of the five small third-party models of ``tests/third_party_models.py`` (Mixer, ViT, lm1b
@@ -65,8 +65,9 @@ from jax._src import core as jax_core
 
 from benchmarks.run_info import run_metadata, write_json
 from benchmarks.storage_error import _models  # the same five models, inputs and losses
-from bsr_jax import Rule, compress_model, lean_graph
-from bsr_jax import dx as dx_lib
+from bsr_jax import Rule, compress_model
+from bsr_jax.rewrite import lean_graph
+from bsr_jax.ops import dx as dx_lib
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import third_party_models as tpm  # noqa: E402
@@ -117,7 +118,7 @@ def _recording(found: list[dict[str, Any]]) -> Iterator[None]:
     the arrays it compresses. lean_graph decides which segments get dx; this only watches the two
     functions it calls for that (wrapped, and restored on exit): the one that looks up a segment's
     format by its path (``Treatment.dx_format``; ``_segment_dx`` before it), right before the
-    ``bsr_jax.dx.stored_compressed`` of the same segment."""
+    ``bsr_jax.ops.dx.stored_compressed`` of the same segment."""
     last_path = [""]
     stored_compressed = lean_graph.stored_compressed
     treatment = getattr(lean_graph, "Treatment", None)

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
-from bsr_jax import backends, bsr_linear
-from bsr_jax.format import from_dense
+from bsr_jax import bsr_linear
+from bsr_jax.backends import dispatch as backends
+from bsr_jax.storage.format import from_dense
 
 if __package__:  # python -m benchmarks.kernels
     from benchmarks.run_info import footer, run_metadata, write_json

@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
-from bsr_jax.compiled import DEVICELESS_TARGETS  # noqa: E402
+from bsr_jax.measure.compiled import DEVICELESS_TARGETS  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from train import lm_model  # noqa: E402
 from train.lm_config import LMConfig  # noqa: E402
@@ -98,7 +98,7 @@ def layer_policy(setting: str):
 @contextlib.contextmanager
 def no_memory_limit(lifted: bool):
     """XLA:GPU compiled without its device memory limit (``NO_LIMIT``) for the duration, when ``lifted``."""
-    from bsr_jax import compiled
+    from bsr_jax.measure import compiled
 
     original = compiled._GPU_OPTIONS
     if lifted:
@@ -137,7 +137,7 @@ HEAD_OPS = re.compile(r"head/|take_along_axis|softmax|logsumexp|cross_entropy|[/
 def logits_sized(top: list[dict], logits_f32_bytes: float) -> list[str]:
     """The ops among ``top`` (``{"op", "mib"}``) holding a logits-sized buffer: at least the
     (B, T, V) array in bf16 (half the f32 logits), produced by the head or the loss (``HEAD_OPS``).
-    A size alone is not enough: one layer's f32 attention probabilities, or bsr_jax.dx's stored
+    A size alone is not enough: one layer's f32 attention probabilities, or bsr_jax.ops.dx's stored
     codes of all layers summed under one op name, can be as large."""
     return [b["op"] for b in top if b["mib"] * MIB >= logits_f32_bytes / 2 and HEAD_OPS.search(b["op"])]
 

@@ -25,8 +25,8 @@ import subprocess
 import sys
 import time
 
-# name -> train.lm flags. "int4" is the recommended setting (bsr_jax.presets: every residual in
-# int4 16 x 16 blocks at sparsity 0); "stochastic" is the stochastic setting bsr_jax.presets
+# name -> train.lm flags. "int4" is the recommended setting (bsr_jax.rewrite.presets: every residual in
+# int4 16 x 16 blocks at sparsity 0); "stochastic" is the stochastic setting bsr_jax.rewrite.presets
 # documents (MEASURED's all-s0.5-b16-int8-stoch: half the blocks sampled by magnitude, rescaled,
 # kept in int8); "dx8" is int4 with approximate input gradients (norms, SwiGLU, attention in int8).
 # "reordered" is the control: every layer through compress_model at sparsity 0 in f32 (exact values,

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 import bsr_jax
-from bsr_jax.memory import MIB
+from bsr_jax.measure.memory import MIB
 
 if __package__:  # python -m benchmarks.memory
     from benchmarks.run_info import run_metadata, write_json

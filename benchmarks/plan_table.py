@@ -32,7 +32,7 @@ import optax
 
 from benchmarks import compiled_memory as cm
 from benchmarks.run_info import footer, run_metadata
-from bsr_jax import planner
+from bsr_jax.planning import search as planner
 
 BUDGETS = (0.3, 0.5, 0.7)
 REMAT_SETTINGS = ("remat", "remat-dots", "remat-dots-all", "remat-offload")

@@ -5,7 +5,7 @@ images, and reports for every pruned layer the relative error ``||g - g_dense|| 
 of the parameter that pruning touches (Dense ``kernel``, Affine ``alpha``, LayerScale ``scale``;
 biases, shifts and all input gradients are exact):
 
-* ``s<S>``: sparsity S at ``--block`` with f32 blocks (``bsr_jax.sensitivity``; because the forward
+* ``s<S>``: sparsity S at ``--block`` with f32 blocks (``bsr_jax.rewrite.sensitivity``; because the forward
   pass and input gradients are exact, pruning all layers at once gives each layer the error it
   would have if pruned alone). Listed: the layers the run's model prunes (the blocks' linears,
   and Affine/LayerScale with ``--prune-scale-shift``);
@@ -28,8 +28,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from bsr_jax.schedules import prunable_layer_paths
-from bsr_jax.sensitivity import gradient_sensitivity, layer_params, relative_error
+from bsr_jax.rewrite.schedules import prunable_layer_paths
+from bsr_jax.rewrite.sensitivity import gradient_sensitivity, layer_params, relative_error
 from benchmarks.run_info import run_metadata, write_json
 from train import data, loop, sharding
 from train.checkpoint import Checkpoints

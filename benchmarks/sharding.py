@@ -61,7 +61,7 @@ def explicit_dot_general(x, w, dims, precision=None, preferred_element_type=None
     """``lax.dot_general`` naming its output sharding where Explicit axes demand it: x and w both
     split along the contracted axis (Megatron's row-parallel fc2) give partial sums, placed like
     x's other axes (all-reduced). What a user of plain ``nn.Dense`` must write; the pruned op does
-    it itself (``bsr_jax.sharding``)."""
+    it itself (``bsr_jax.core.sharding``)."""
     (x_axes, w_axes), _ = dims
     x_spec, w_spec = (tuple(jax.typeof(a).sharding.spec) + (None,) * a.ndim for a in (x, w))
     out_sharding = None
@@ -108,7 +108,7 @@ def shard_bytes(leaf) -> int:
 
 @contextlib.contextmanager
 def auto_2d(mesh):
-    with bsr_jax.sharding.batch_axes("data"), jax.set_mesh(mesh):
+    with bsr_jax.core.sharding.batch_axes("data"), jax.set_mesh(mesh):
         yield
 
 
@@ -135,7 +135,7 @@ def measure(build, sparsity: float, mesh, plan: str | None, declare: bool) -> di
         out = model.apply({"params": params, **state}, x, mutable=list(state)) if state else model.apply({"params": params}, x)
         return jnp.mean((out[0] if state else out) ** 2)
 
-    # Several Auto axes: declare the batch's and set the mesh (bsr_jax.sharding, docs/sharding.md).
+    # Several Auto axes: declare the batch's and set the mesh (bsr_jax.core.sharding, docs/sharding.md).
     context = auto_2d(mesh) if declare else contextlib.nullcontext()
     with context:
         residual = None

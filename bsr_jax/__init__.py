@@ -2,23 +2,32 @@
 
 # First, before jax starts: no plugin noise on a machine without an accelerator (see its docstring).
 from bsr_jax import _environment  # noqa: F401  isort: skip
-from bsr_jax.compress import compress_model
-from bsr_jax.head_loss import chunked_head_loss
-from bsr_jax.conv import Conv, compressed_conv
-from bsr_jax.elementwise import bsr_scale_shift
-from bsr_jax.format import BlockSparse, Pruning, capacity_for, from_dense
-from bsr_jax.layers import Affine, Dense, LayerScale
-from bsr_jax.lean import lean_neighbours
-from bsr_jax.linear import bsr_linear
-from bsr_jax.pooling import Pooling
+from bsr_jax.rewrite.compress import compress_model
+from bsr_jax.ops.head_loss import chunked_head_loss
+from bsr_jax.ops.conv import Conv, compressed_conv
+from bsr_jax.ops.elementwise import bsr_scale_shift
+from bsr_jax.storage.format import BlockSparse, capacity_for, from_dense
+from bsr_jax.storage.pruning import Pruning
+from bsr_jax.ops.layers import Affine, Dense, LayerScale
+from bsr_jax.rewrite.lean import lean_neighbours
+from bsr_jax.ops.linear import bsr_linear
+from bsr_jax.storage.pooling import Pooling
 # Submodules the README uses as attributes (bsr_jax.schedules.layer_sparsity, ...); each costs ~1 ms.
-from bsr_jax import dx, head_loss, losses, presets, quantize, roofline, schedules, sensitivity, sharding
-from bsr_jax.rules import LayerPlan, Rule, pruning_plan, use_rules
-from bsr_jax.report import ResidualReport, residual_report
-from bsr_jax.compiled import CompiledStep, compiled_memory
-from bsr_jax import planner
-from bsr_jax.planner import Plan, plan
-from bsr_jax.memory import CompiledMemory, ResidualBytes, program_order_peak, remat_policy, residual_bytes
+from bsr_jax.ops import dx
+from bsr_jax.ops import head_loss
+from bsr_jax.ops import losses
+from bsr_jax.rewrite import presets
+from bsr_jax.storage import quantize
+from bsr_jax.measure import roofline
+from bsr_jax.rewrite import schedules
+from bsr_jax.rewrite import sensitivity
+from bsr_jax.core import sharding
+from bsr_jax.rewrite.rules import LayerPlan, Rule, pruning_plan, use_rules
+from bsr_jax.measure.report import ResidualReport, residual_report
+from bsr_jax.measure.compiled import CompiledStep, compiled_memory
+from bsr_jax.planning import search as planner
+from bsr_jax.planning.search import Plan, plan
+from bsr_jax.measure.memory import CompiledMemory, ResidualBytes, program_order_peak, remat_policy, residual_bytes
 
 __all__ = [
     "compress_model",

@@ -1,5 +1,5 @@
 """Defaults for jax's environment, set before jax starts: on a machine without an accelerator, no
-plugin noise, while deviceless compiles for an H100 or a TPU (``bsr_jax.compiled``) still work.
+plugin noise, while deviceless compiles for an H100 or a TPU (``bsr_jax.measure.compiled``) still work.
 
 The ``aot`` extra (part of ``test``) installs jax's CUDA plugin and libtpu. Without an accelerator,
 jax's first operation starts every platform it finds: the CUDA plugin fails its driver check (a
@@ -94,7 +94,7 @@ def _tell_started_jax(platforms: str) -> None:
     if "jax" not in sys.modules:
         return
     try:
-        from jax._src import config, xla_bridge
+        from bsr_jax.core.jax_private import config, xla_bridge
 
         if config.jax_platforms.value is None and not xla_bridge.backends_are_initialized():
             config.update("jax_platforms", platforms)

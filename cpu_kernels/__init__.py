@@ -96,7 +96,7 @@ def bsr_t_matmul(
       values: the kept blocks of ``x (Mb * bm, Kb * bk)``: ``(cap, bm, bk)`` float32 or bfloat16
         (read as stored; other float dtypes are converted to float32 first, at the cost of one
         copy), ``(cap, bm, bk)`` int8 with ``scales``, or int4 packed two per byte as
-        ``(cap, ceil(bm * bk / 2))`` uint8 (low nibble first, ``bsr_jax.quantize``) with ``scales``
+        ``(cap, ceil(bm * bk / 2))`` uint8 (low nibble first, ``bsr_jax.storage.quantize``) with ``scales``
         and ``block``.
       row_ids: ``(cap,)`` integer block-row of each block, in ``[0, Mb)``; an id outside that range
         fails the call with an error naming the slot.
@@ -161,7 +161,7 @@ def _varying_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     )
 
 
-# Bits of the stored integers, by storage dtype (bsr_jax.quantize's names).
+# Bits of the stored integers, by storage dtype (bsr_jax.storage.quantize's names).
 QUANTIZE_BITS = {"int8": 8, "int4": 4}
 
 
@@ -169,7 +169,7 @@ def quantize_blocks(
     x: jax.Array, block: tuple[int, int], storage_dtype: str, *, isa: str | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Every ``(bm, bk)`` block of ``x (M, K)`` (float32 or bfloat16; zero-padded to whole blocks)
-    rounded to nearest, as ``bsr_jax.quantize.quantize_blocks`` stores it, in block-column-major
+    rounded to nearest, as ``bsr_jax.storage.quantize.quantize_blocks`` stores it, in block-column-major
     order (block ``(i, j)`` at ``j * Mb + i``, the layout of ``bsr_jax.from_dense`` at sparsity 0).
 
     Returns ``(stored, scales)``: ``(Mb * Kb, bm, bk)`` int8 or ``(Mb * Kb, ceil(bm * bk / 2))``

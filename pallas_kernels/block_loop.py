@@ -60,7 +60,7 @@ def _cost(values, dense, out, bn, contract) -> pl.CostEstimate:
 
 def flops(values_shape: tuple[int, ...], dense_shape: tuple[int, ...]) -> int:
     """FLOPs of either kernel: each ``(bm, bk)`` kept block multiplies every column of the dense
-    operand. XLA:GPU's Triton custom call carries no cost estimate, so ``bsr_jax.roofline`` counts
+    operand. XLA:GPU's Triton custom call carries no cost estimate, so ``bsr_jax.measure.roofline`` counts
     the kernel's FLOPs from its operand shapes with this."""
     return 2 * math.prod(values_shape) * dense_shape[1]
 

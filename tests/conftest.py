@@ -1,5 +1,5 @@
 """The suite runs on the CPU. JAX_PLATFORMS=cpu also lets jax's CUDA plugin (the ``aot`` extra)
-register without a GPU, which deviceless H100 compiles need (bsr_jax.compiled).
+register without a GPU, which deviceless H100 compiles need (bsr_jax.measure.compiled).
 
 Many tests compile the same program (the CLI's step in every smoke, resume and error run; the same
 tiny steps across files), so one run shares JAX's persistent compilation cache in a fresh folder:

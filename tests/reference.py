@@ -9,7 +9,7 @@ and the masked products are all recomputed from the documented rules:
 * capacity is ``max(1, ceil((1 - sparsity) * n))`` blocks, ``n`` being all blocks (``"global"``) or
   the blocks of one block-column (``"column"``, every column keeps that many);
 * the largest scores are kept; ties go to the lower flat index ``col * Mb + row``
-  (``bsr_jax.selection.top_blocks``);
+  (``bsr_jax.storage.selection.top_blocks``);
 * stochastic (priority sampling): weight ``w`` is the L2 norm (not squared) or the L1 sum, the
   priority is ``w / u``, the top-capacity priorities are kept, each rescaled by ``max(w, tau) / w``
   (1 when ``w == 0``) where ``tau`` is the largest priority not kept (per column for ``"column"``;
@@ -182,5 +182,5 @@ def scale_shift_grads(scale, dy, kept: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def op_sampling_key(key: jax.Array) -> jax.Array:
     """The key ``bsr_linear``/``bsr_scale_shift``/the layers pass to ``from_dense`` for block sampling,
     given the ``key`` they were called with: the first half of ``jax.random.split(key)`` (the second
-    is reserved for stochastic rounding; ``bsr_jax.format.Pruning.compress``)."""
+    is reserved for stochastic rounding; ``bsr_jax.storage.pruning.Pruning.compress``)."""
     return jax.random.split(key)[0]

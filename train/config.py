@@ -61,7 +61,7 @@ class TrainConfig(Settings):
     stochastic: bool = False
     sparsity_warmup_epochs: float = 0.0
     layer_sparsity: tuple[tuple[str, float], ...] = ()
-    # Approximate input gradients (bsr_jax.dx): the GELU input stored in this format.
+    # Approximate input gradients (bsr_jax.ops.dx): the GELU input stored in this format.
     dx: Literal["int8", "int4"] | None = None
     # The planner (train.planning): a memory budget for the step on a target accelerator.
     memory_budget: str | None = None

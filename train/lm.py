@@ -7,7 +7,7 @@ for validation), tokenized by a byte-level BPE of 8192 tokens trained on the tra
 cached (~/.cache/bsr_jax/lm); --data-dir reads any folder of text files instead, --tokenizer bytes
 uses UTF-8 bytes. Layers stack as a Python loop or (--scan) with nn.scan, optionally under
 nn.remat (--remat); every linear layer is compressed through bsr_jax.compress_model;
---loss-chunk N computes the head and cross-entropy N tokens at a time (bsr_jax.losses: the
+--loss-chunk N computes the head and cross-entropy N tokens at a time (bsr_jax.ops.losses: the
 (B, T, V) logits never exist).
 Exit codes: 0 done, 2 a bad flag or unreadable data (one line on stderr), 128 + signal when
 SIGINT/SIGTERM stopped it: in training after a checkpoint (--resume continues it bit for bit),

@@ -62,7 +62,7 @@ class LMConfig(Settings):
     lean: bool = True
     sparsity_warmup_steps: int = 0
     layer_sparsity: tuple[tuple[str, float], ...] = ()
-    # Approximate input gradients (bsr_jax.dx): what norms, SwiGLU and attention keep for their
+    # Approximate input gradients (bsr_jax.ops.dx): what norms, SwiGLU and attention keep for their
     # backward (their inputs, q/k/v) stored in this format; None: exact.
     dx: Literal["int8", "int4"] | None = None
     # The planner (train.planning): a memory budget for the step on a target accelerator.
@@ -167,7 +167,7 @@ HELP = {
     "scan": "stack the layers with nn.scan (parameters stacked on a leading axis; one traced layer)",
     "remat": "recompute each layer in the backward pass (nn.remat; inside the scan with --scan)",
     "dtype": "computation dtype (params and optimizer state stay float32)",
-    "loss_chunk": "tokens per chunk of the head + cross-entropy (bsr_jax.losses; the (B, T, V) logits never exist); "
+    "loss_chunk": "tokens per chunk of the head + cross-entropy (bsr_jax.ops.losses; the (B, T, V) logits never exist); "
     "0: the plain head and loss",
     "sparsity": "fraction of activation blocks dropped from each linear layer's weight-gradient residual (0 = dense)",
     "block": "square block side of the pruning and of the per-block scales",
@@ -183,7 +183,7 @@ HELP = {
     "layer_sparsity": "PATTERN=VALUE, repeatable: layers whose module path matches PATTERN (fnmatch, e.g. "
     "'layer_*/mlp/down' or, with --scan, 'layers/mlp/*') use sparsity VALUE; first match wins",
     "dx": f"approximate input gradients: store what the backward of every norm, SwiGLU and attention reads (their inputs, "
-    f"q/k/v) in one of {', '.join(DX_FORMATS)} (per-row scales every 128 values; bsr_jax.dx); default exact",
+    f"q/k/v) in one of {', '.join(DX_FORMATS)} (per-row scales every 128 values; bsr_jax.ops.dx); default exact",
     "memory_budget": IMAGE_HELP["memory_budget"].replace("--dx", "--dx/--remat"),
     "target": IMAGE_HELP["target"],
     "lr": "peak learning rate (AdamW, b2 0.95)",

@@ -94,13 +94,13 @@ def create_optimizer(config: LMConfig, schedule: optax.Schedule) -> optax.Gradie
 def loss_function(model, config: LMConfig):
     """``(params, batch, rng=None) -> (mean next-token cross-entropy, {})`` of ``batch["tokens"]``
     int32 ``(B, T + 1)``; with ``loss_chunk`` the head and loss run chunk by chunk
-    (``bsr_jax.losses``), never holding the ``(B, T, V)`` logits."""
+    (``bsr_jax.ops.losses``), never holding the ``(B, T, V)`` logits."""
 
     def loss_fn(params, batch, rng=None):
         inputs, labels = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
         rngs = None if rng is None else {"pruning": rng}
         if config.loss_chunk:
-            from bsr_jax.losses import chunked_softmax_cross_entropy
+            from bsr_jax.ops.losses import chunked_softmax_cross_entropy
 
             features = model.apply({"params": params}, inputs, features_only=True, rngs=rngs)
             w = head_kernel(params, config.tie)  # f32: its gradient accumulates over chunks in f32
@@ -238,9 +238,9 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         step_fn = make_train_step(loss_function(level_model, config), tx, schedule, mesh, rng_seed)
         return step_fn.lower(state, batch_struct).compile()
 
-    previous_env = os.environ.get(bsr_jax.backends.ENV_VAR)
+    previous_env = os.environ.get(bsr_jax.backends.dispatch.ENV_VAR)
     if config.backend is not None:  # compress_model's layers read the dW backend from it when traced
-        os.environ[bsr_jax.backends.ENV_VAR] = config.backend
+        os.environ[bsr_jax.backends.dispatch.ENV_VAR] = config.backend
     try:
         train_steps = {1.0: compile_step(1.0)}
         num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
@@ -263,9 +263,9 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         return _train(run, state, train_steps, memory, start_step)
     finally:
         if previous_env is None:
-            os.environ.pop(bsr_jax.backends.ENV_VAR, None)
+            os.environ.pop(bsr_jax.backends.dispatch.ENV_VAR, None)
         else:
-            os.environ[bsr_jax.backends.ENV_VAR] = previous_env
+            os.environ[bsr_jax.backends.dispatch.ENV_VAR] = previous_env
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ Layout, for tokens ``(B, T)`` int32 -> logits ``(B, T, V)`` float32::
 
 Norms are a hand-written RMSNorm (statistics in f32), the MLP a hand-written ``silu(gate) * up``,
 attention a hand-written causal softmax in f32: the forms ``bsr_jax.compress_model``'s lean pass
-has to recognise by what they compute (``bsr_jax.lean_graph``), as it will in users' models.
+has to recognise by what they compute (``bsr_jax.rewrite.lean_graph``), as it will in users' models.
 Every linear layer is an ``nn.Dense`` without bias; ``compress_model`` routes them by path
 (``layer_3/attn/q``; under ``nn.scan`` one path for all layers, ``layers/attn/q``, its parameters
 stacked on a leading axis). Computation runs in ``dtype`` (bf16 by default) with f32 parameters.

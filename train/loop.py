@@ -40,7 +40,7 @@ import optax
 from train import data, metrics, planning, progress, run_dir, settings, sharding, steps, stopping
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, UsageError
-from bsr_jax.schedules import SparsityRules, layer_sparsity, scale_rules
+from bsr_jax.rewrite.schedules import SparsityRules, layer_sparsity, scale_rules
 from train.models import check_layer_rules, create_model, dense_counterpart, predict
 
 # {"step": int32 (), "params": pytree, "opt_state": pytree}, plus "batch_stats" for BatchNorm models.
@@ -72,7 +72,7 @@ def loss_function(model: nn.Module, num_classes: int, label_smoothing: float, ru
     """``(params, batch, rng=None, batch_stats=None) -> (mean smoothed cross-entropy, {"accuracy"})``
     over the batch.
 
-    ``rules`` are per-layer sparsities (``bsr_jax.schedules.layer_sparsity``); ``rng`` feeds the
+    ``rules`` are per-layer sparsities (``bsr_jax.rewrite.schedules.layer_sparsity``); ``rng`` feeds the
     ``"pruning"`` stream of stochastic layers. With ``batch_stats`` (a BatchNorm model) the model
     runs in training mode (batch statistics) and the aux also holds the updated ``"batch_stats"``.
     """

@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 import bsr_jax
-from bsr_jax.schedules import layer_sparsity
+from bsr_jax.rewrite.schedules import layer_sparsity
 from train import run_dir
 from train.models import predict
 

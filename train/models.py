@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import bsr_jax
-from bsr_jax.schedules import prunable_layer_paths
+from bsr_jax.rewrite.schedules import prunable_layer_paths
 from train.config import POOLING_FACTORS, TrainConfig, UsageError
 from train.resnet import PRESETS as RESNET_PRESETS
 from train.resnet import ResNet, compression_rules
@@ -45,7 +45,7 @@ from train.resnet import ResNet, compression_rules
 ModuleDef = Any
 
 # Exact (erf) GELU as in ResMLP; recomputed in the backward pass from its input alone (stored in
-# the block's ``dx`` format when it has one: bsr_jax.dx).
+# the block's ``dx`` format when it has one: bsr_jax.ops.dx).
 _gelu = functools.partial(nn.gelu, approximate=False)
 
 
@@ -92,7 +92,7 @@ class ResMLPBlock(nn.Module):
         x = x + scale(name="layerscale1")(jnp.swapaxes(y, -1, -2))
         y = self.affine(dtype=self.dtype, name="affine2")(x)
         y = self.dense(features=self.mlp_ratio * dim, dtype=self.dtype, name="fc1")(y)
-        gelu = bsr_jax.dx.stored_compressed(_gelu, self.dx) if self.dx else jax.checkpoint(_gelu)
+        gelu = bsr_jax.ops.dx.stored_compressed(_gelu, self.dx) if self.dx else jax.checkpoint(_gelu)
         y = self.dense(features=dim, dtype=self.dtype, name="fc2")(gelu(y))
         return x + scale(name="layerscale2")(y)
 
@@ -127,7 +127,7 @@ class ResMLP(nn.Module):
         elementwise ops); ``None`` saves nothing but the block input.
       layerscale_init: LayerScale initial value; ``None`` uses ``layerscale_init_for(depth)``.
       dtype: computation dtype (e.g. ``jnp.bfloat16``); params stay ``float32``.
-      dx: ``None`` (exact input gradients) or a ``bsr_jax.dx`` format (``"int8"``, ``"int4"``):
+      dx: ``None`` (exact input gradients) or a ``bsr_jax.ops.dx`` format (``"int8"``, ``"int4"``):
         the GELU input, which GELU's backward needs, is stored in it (approximate dx).
     """
 

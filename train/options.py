@@ -9,8 +9,8 @@ DATASETS = ("cifar10", "cifar100", "imagenet2012", "imagefolder")
 OPTIMIZERS = ("adamw", "lamb")
 DTYPES = ("float32", "bfloat16")
 AUGMENTS = ("cifar", "imagenet", "none")
-# The names of train.models.PRESETS and the library's option lists (bsr_jax.format's CRITERIA,
-# SELECTIONS, STORAGE_DTYPES, bsr_jax.backends.BACKENDS), repeated so that flags are checked
+# The names of train.models.PRESETS and the library's option lists (bsr_jax.storage.format's CRITERIA,
+# SELECTIONS, STORAGE_DTYPES, bsr_jax.backends.dispatch.BACKENDS), repeated so that flags are checked
 # without importing JAX; tests/train/test_cli.py checks that they match.
 RESMLP_MODELS = ("tiny", "s12", "s24", "b24")
 RESNET_MODELS = ("resnet18", "resnet50")  # train.resnet.PRESETS
@@ -23,8 +23,8 @@ COMPRESSIONS = tuple(POOLING_FACTORS)
 CRITERIA = ("l2", "l1")
 SELECTIONS = ("global", "column")
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3fn", "int8", "int4")
-DX_FORMATS = ("int8", "int4")  # bsr_jax.dx.DX_FORMATS
-PLAN_TARGETS = ("h100", "tpu-v5p")  # bsr_jax.compiled.DEVICELESS_TARGETS
+DX_FORMATS = ("int8", "int4")  # bsr_jax.ops.dx.DX_FORMATS
+PLAN_TARGETS = ("h100", "tpu-v5p")  # bsr_jax.measure.compiled.DEVICELESS_TARGETS
 ROUNDINGS = ("nearest", "stochastic")
 STOCHASTIC_ROUNDING_DTYPES = ("int8", "int4")
 BACKENDS = ("auto", "cpu", "xla", "pallas", "reference")

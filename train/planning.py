@@ -27,7 +27,7 @@ def check_budget(budget: str | None, usage_error: type[Exception]) -> None:
     if budget is None:
         return
     try:
-        bsr_jax.planner.parse_budget(budget)
+        bsr_jax.planning.search.parse_budget(budget)
     except ValueError as error:
         raise usage_error(f"--memory-budget: {error}") from None
 
@@ -43,9 +43,9 @@ def planned_model(model, loss_of: Callable[[Any], Callable[..., Any]], batch: di
     plan is rebuilt as it was, without compiling."""
     if saved is not None:
         choices = saved["choices"]
-        blocks = [path for path in choices if path not in (bsr_jax.planner.REST, bsr_jax.planner.LOSS)]
+        blocks = [path for path in choices if path not in (bsr_jax.planning.search.REST, bsr_jax.planning.search.LOSS)]
         metrics.say(f"the plan of the resumed run: {saved['peak_bytes'] / 2**20:,.0f} MiB on {saved['target']}")
-        return bsr_jax.planner.assemble(model, blocks, [choices[b] for b in blocks], choices[bsr_jax.planner.REST]), saved
+        return bsr_jax.planning.search.assemble(model, blocks, [choices[b] for b in blocks], choices[bsr_jax.planning.search.REST]), saved
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
     def plan_loss(module, variables, batch):

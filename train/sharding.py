@@ -31,7 +31,7 @@ directory every process sees. Whatever changes the program's path (a stop signal
 records) is agreed by all processes, since a collective that only some of them enter never returns.
 
 Why the loop keeps its own ``shard_map`` rather than ``jax.jit`` over batch-sharded arrays with
-the library's per-op ``bsr_jax.sharding.map_row_shards``. Measured on 4 host devices (this
+the library's per-op ``bsr_jax.core.sharding.map_row_shards``. Measured on 4 host devices (this
 module's Auto-axis mesh, the loop's loss, one gradient; ``python -m benchmarks.loop_vs_jit``): for
 ResMLP (tiny, sparsity 0.7) a plain ``jit`` gives the same gradients as the ``shard_map``
 (difference 0, no all-gather), since each op then ranks its own row shard too; for ResNet-18

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from bsr_jax.schedules import warmup_fraction
+from bsr_jax.rewrite.schedules import warmup_fraction
 from train import metrics, progress, stopping
 from train.checkpoint import Checkpoints
 
@@ -38,7 +38,7 @@ def run_steps(
 ) -> tuple[Any, dict[str, Any]]:
     """Steps ``start_step`` -> ``stop_step`` of ``state`` on ``batches`` (closed at the end).
 
-    ``train_steps`` maps a warm-up level (``bsr_jax.schedules.warmup_fraction`` of the step over
+    ``train_steps`` maps a warm-up level (``bsr_jax.rewrite.schedules.warmup_fraction`` of the step over
     ``warmup_steps``) to a compiled step ``(state, batch) -> (state, metrics)``; a missing level is
     compiled by ``compile_step``. A train record (``metrics.train_record``, throughput as
     ``{items}_per_s`` of ``items_per_step``) is logged every ``log_every`` steps, at evaluations

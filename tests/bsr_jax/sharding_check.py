@@ -29,8 +29,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 import bsr_jax  # noqa: E402
 import reference  # noqa: E402
-from bsr_jax import sharding  # noqa: E402
-from bsr_jax.linear import linear_dims, pruned_dot_general  # noqa: E402
+from bsr_jax.core import sharding  # noqa: E402
+from bsr_jax.ops.linear import linear_dims, pruned_dot_general  # noqa: E402
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 PRUNING = bsr_jax.Pruning(0.7, block=4)
@@ -119,7 +119,7 @@ def check_conv(data4, auto4, grid, auto_grid):
 
 @contextlib.contextmanager
 def _auto_2d(mesh):
-    # Several Auto axes: the batch's must be declared, and the mesh set (see bsr_jax.sharding).
+    # Several Auto axes: the batch's must be declared, and the mesh set (see bsr_jax.core.sharding).
     with sharding.batch_axes("data"), jax.set_mesh(mesh):
         yield
 

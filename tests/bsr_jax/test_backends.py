@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import bsr_jax
-from bsr_jax import backends
+from bsr_jax.backends import dispatch as backends
 
 CPU_TARGET = "bsr_jax_cpu_bsr_t_matmul"
 

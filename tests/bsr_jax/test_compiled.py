@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bsr_jax
 from benchmarks.compiled_memory import step_args
-from bsr_jax.compiled import compile_for, target_mesh
+from bsr_jax.measure.compiled import compile_for, target_mesh
 from tests import third_party_models as tpm
 from train import models
 
@@ -121,7 +121,7 @@ def test_lean_neighbours_never_raise_a_transformers_style_resnets_peak(target):
     dense = _hf_resnet_peak(target, batch=batch)
     assert _hf_resnet_peak(target, bsr_jax.Rule("*", None), batch=batch) <= dense
     if target == "h100":  # the preset's own target: 1.32x before, 0.88 since (0.89 without lean)
-        assert _hf_resnet_peak(target, bsr_jax.Rule("*", bsr_jax.presets.recommended(0.5))) <= dense
+        assert _hf_resnet_peak(target, bsr_jax.Rule("*", bsr_jax.rewrite.presets.recommended(0.5))) <= dense
 
 
 def test_bad_targets_are_named():

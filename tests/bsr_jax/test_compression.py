@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import bsr_jax
-from bsr_jax.format import from_dense, quantize_blocks
+from bsr_jax.storage.format import from_dense, quantize_blocks
 
 
 def _x(shape=(64, 48), seed=0):

@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 import bsr_jax
-from bsr_jax.conv import compressed_conv
+from bsr_jax.ops.conv import compressed_conv
 
 # Odd spatial sizes, so pool-2 windows and 8-row blocks are partial at the far edge.
 X_SHAPE = (2, 7, 7, 16)
@@ -49,7 +49,7 @@ def _masked_reference(x: np.ndarray, sparsity: float, block: int) -> np.ndarray:
 
 
 def _weight_grad_at(x_hat, w, dy, strides, padding):
-    """dW of a plain NHWC/HWIO convolution at x_hat, spelt independently of bsr_jax.conv."""
+    """dW of a plain NHWC/HWIO convolution at x_hat, spelt independently of bsr_jax.ops.conv."""
     conv = lambda w: lax.conv_general_dilated(x_hat, w, (strides, strides), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
     return jax.grad(lambda w: jnp.sum(conv(w) * dy))(w)
 

@@ -46,7 +46,7 @@ def test_every_projection_routed_forward_bitwise_and_only_kernel_grads_approxima
     compressed = compress_model(model, PRUNE)
     plan = _no_warnings(lambda: bsr_jax.pruning_plan(compressed.apply, params, x))
     assert {layer.path for layer in plan} == layers and len(plan) == calls  # Llama: q, k, v, o, gate, up, down, head
-    # Jitted: the traced program (bsr_jax.lean_graph re-evaluates it; an eager forward runs as is).
+    # Jitted: the traced program (bsr_jax.rewrite.lean_graph re-evaluates it; an eager forward runs as is).
     chex.assert_trees_all_equal(jax.jit(compressed.apply)(params, x), jax.jit(model.apply)(params, x))
     got, want = (jax.jit(jax.grad(_loss(m)))(params, x) for m in (compressed, model))
     differing = []

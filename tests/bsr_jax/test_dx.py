@@ -1,4 +1,4 @@
-"""Approximate input gradients (bsr_jax.dx): the forward pass exact, the backward pass plain
+"""Approximate input gradients (bsr_jax.ops.dx): the forward pass exact, the backward pass plain
 autodiff's at the stored (int8/int4) inputs, within the formats' rounding; the compiled step keeps
 the stored codes instead of the input."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import bsr_jax
-from bsr_jax import dx as dx_lib
+from bsr_jax.ops import dx as dx_lib
 from train import models
 
 _gelu = lambda x: jax.nn.gelu(x, approximate=False)  # noqa: E731
@@ -85,7 +85,7 @@ def test_the_compiled_step_keeps_int8_codes_not_the_input():
     int8 = bsr_jax.compiled_memory(step("int8"), w1, x, target="h100")
     hidden = 8192 * 1024 * 4
     assert int8.peak < exact.peak - 0.6 * hidden
-    text = bsr_jax.compiled.compile_for(step("int8"), w1, x, target="h100").as_text()
+    text = bsr_jax.measure.compiled.compile_for(step("int8"), w1, x, target="h100").as_text()
     assert "s8[8388608]" in text  # the stored codes, flattened
 
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bsr_jax.format import BlockSparse, capacity_for, from_dense
+from bsr_jax.storage.format import BlockSparse, capacity_for, from_dense
 
 
 def _block_mags(x: np.ndarray, block, criterion) -> np.ndarray:
@@ -137,7 +137,7 @@ def test_bad_input_dtype_rank_criterion_selection():
 def test_top_blocks_break_ties_like_top_k_and_report_the_next_score(selection, keep):
     """The counting selection keeps exactly what lax.top_k keeps, ties to the lower flat index, on
     scores with many ties (small integers, zeros, inf), and returns the next-largest score."""
-    from bsr_jax.selection import top_blocks
+    from bsr_jax.storage.selection import top_blocks
 
     kb, mb = 3, 12
     scores = np.random.default_rng(keep).integers(0, 4, (kb, mb)).astype(np.float32)
@@ -159,7 +159,7 @@ def test_top_blocks_break_ties_like_top_k_and_report_the_next_score(selection, k
 def test_window_gather_for_tpu_keeps_the_same_blocks():
     """from_dense lowered for a TPU gathers (bm, bk) windows of x itself (a 4-D view of x would be
     copied padded 8x there); elsewhere the 4-D view's advanced indices: the same blocks, bit for bit."""
-    from bsr_jax.format import _gather_from_view, _gather_windows
+    from bsr_jax.storage.format import _gather_from_view, _gather_windows
 
     xp = jax.random.normal(jax.random.key(0), (48, 40))
     rows, cols = jnp.array([0, 2, 1, 1, 2], jnp.int16), jnp.array([0, 0, 3, 4, 4])

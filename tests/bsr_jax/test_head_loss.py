@@ -1,4 +1,4 @@
-"""bsr_jax.head_loss: a head + optax softmax cross-entropy written as usual, recognised and chunked.
+"""bsr_jax.ops.head_loss: a head + optax softmax cross-entropy written as usual, recognised and chunked.
 
 Tolerances: in f32 the chunked loss and gradients differ from the plain ones only by f32 summation
 order (rtol 1e-5). A bf16 head's logits are rounded to bf16 in both forms (``logits_dtype``); where
@@ -20,8 +20,8 @@ import numpy as np
 import optax
 import pytest
 
-from bsr_jax import head_loss
-from bsr_jax.head_loss import chunked_head_loss
+from bsr_jax.ops import head_loss
+from bsr_jax.ops.head_loss import chunked_head_loss
 
 V, T, B = 96, 12, 2
 
@@ -185,7 +185,7 @@ def test_compress_model_warns_where_nothing_is_recognised_and_is_off_by_default(
 
 
 def test_a_compressed_models_head_is_recognised_through_its_lean_evaluation():
-    """compress_model's lean neighbours evaluate the traced model again (bsr_jax.lean_graph): the
+    """compress_model's lean neighbours evaluate the traced model again (bsr_jax.rewrite.lean_graph): the
     head's record follows its logits out; gradients are the compressed model's plain ones."""
     x, y = batch()
     rules = [bsr_jax.Rule("lm_head", None), bsr_jax.Rule("*", bsr_jax.Pruning(0.0, block=16, storage_dtype="int4"))]

@@ -13,8 +13,8 @@ import third_party_models as tpm
 from flax import nnx
 
 import bsr_jax
-from bsr_jax.lean import lean_neighbours
-from bsr_jax.lean_graph import lean_call
+from bsr_jax.rewrite.lean import lean_neighbours
+from bsr_jax.rewrite.lean_graph import lean_call
 
 TOL = dict(atol=1e-6, rtol=1e-5)  # float reassociation only (recomputed stats, f32)
 
@@ -293,7 +293,7 @@ def test_attention_that_sows_its_weights_runs_unchanged():
 
 
 def test_lean_call_evaluates_a_scans_body_segment_by_segment():
-    """bsr_jax.lean_graph binds a ``scan`` again with each of its body's segments under a
+    """bsr_jax.rewrite.lean_graph binds a ``scan`` again with each of its body's segments under a
     checkpoint (layers stacked with nn.scan keep what a loop of layers keeps): loop invariants
     closed over, an integer carry beside a float one, ``reverse``; the value's bits and the
     gradients of plain autodiff."""

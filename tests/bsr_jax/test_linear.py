@@ -13,7 +13,9 @@ import pytest
 import reference
 from numerics import assert_close_scaled, bf16_exact_normal
 
-from bsr_jax import Dense, backends, bsr_linear, from_dense, residual_bytes, xla_backend
+from bsr_jax import Dense, bsr_linear, from_dense, residual_bytes
+from bsr_jax.backends import dispatch as backends
+from bsr_jax.backends import xla as xla_backend
 
 BACKENDS = ["reference", "xla", "xla-batched", "cpu", "pallas"]
 

@@ -1,4 +1,4 @@
-"""bsr_jax.losses.chunked_softmax_cross_entropy: the plain loss and gradients, without the logits array."""
+"""bsr_jax.ops.losses.chunked_softmax_cross_entropy: the plain loss and gradients, without the logits array."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from bsr_jax.losses import chunked_softmax_cross_entropy
+from bsr_jax.ops.losses import chunked_softmax_cross_entropy
 
 B, T, D, V = 2, 37, 16, 50
 
@@ -112,7 +112,7 @@ def test_no_array_of_all_the_logits_exists():
 def test_inside_a_checkpoint_that_keeps_products_the_chunk_logits_are_not_kept():
     """compress_model's lean_graph runs the model (and a loss inside it) under jax.checkpoint with a
     policy keeping products: the forward keeps its lse (named), not every chunk's logits."""
-    from bsr_jax.lean_graph import policy
+    from bsr_jax.rewrite.lean_graph import policy
 
     h, w, labels = inputs()
     loss = jax.checkpoint(lambda h, w: chunked_softmax_cross_entropy(h, w, labels, chunk=8).mean(), policy=policy)

@@ -9,7 +9,7 @@ import reference
 from numerics import assert_close_scaled, bf16_exact_normal
 
 from bsr_jax import bsr_linear, from_dense
-from bsr_jax.pallas_backend import pallas_dw
+from bsr_jax.backends.pallas import pallas_dw
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 import bsr_jax
-from bsr_jax import Rule, planner, planner_nnx
+from bsr_jax import Rule
+from bsr_jax.planning import search as planner
+from bsr_jax.planning import nnx as planner_nnx
 
 
 class Block(nn.Module):
@@ -218,7 +220,7 @@ def test_only_the_options_given_are_chosen(compiled):
                      **(FEW | dict(options=())))  # fmt: skip
 
 
-# NNX: the same planner on a model written with flax.nnx (bsr_jax.planner_nnx).
+# NNX: the same planner on a model written with flax.nnx (bsr_jax.planning.nnx).
 
 
 class NnxBlock(nnx.Module):
@@ -307,7 +309,7 @@ def test_nnx_candidates_are_clones_with_the_users_params_and_forward():
     np.testing.assert_array_equal(module(x), net(x))
     chex.assert_trees_all_equal_shapes_and_dtypes(nnx.state(module, nnx.Param), nnx.state(net, nnx.Param))
     # Each block its own treatment; the rest's int4 only outside the blocks.
-    compressed = {path for path, m in bsr_jax.rules.nnx_module_paths(module) if isinstance(m, nnx.Linear) and m.dot_general is not jax.lax.dot_general}
+    compressed = {path for path, m in bsr_jax.core.layer_choice.nnx_module_paths(module) if isinstance(m, nnx.Linear) and m.dot_general is not jax.lax.dot_general}
     assert compressed == {"stem", "head", "blocks/0/up", "blocks/0/down", "blocks/3/up", "blocks/3/down"}
     assert [type(b).__call__ is NnxBlock.__call__ for b in module.blocks] == [True, False, True, True]
     # The user's model: its classes, layers and arrays as they were.

@@ -1,11 +1,12 @@
-"""bsr_jax.presets: the recommended setting follows the measured front and its errors name the budget."""
+"""bsr_jax.rewrite.presets: the recommended setting follows the measured front and its errors name the budget."""
 
 import json
 import pathlib
 
 import pytest
 
-from bsr_jax import Pruning, presets
+from bsr_jax import Pruning
+from bsr_jax.rewrite import presets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PARETO = ROOT / "docs" / "results" / "pareto.json"

@@ -9,8 +9,8 @@ from flax import nnx
 
 import bsr_jax
 from bsr_jax import Pruning, Rule
-from bsr_jax.lean import lean_neighbours
-from bsr_jax.report import KINDS, module_path, residual_report
+from bsr_jax.rewrite.lean import lean_neighbours
+from bsr_jax.measure.report import KINDS, module_path, residual_report
 
 
 class Block(nn.Module):
@@ -135,7 +135,7 @@ def test_lean_vit_keeps_no_attention_probabilities_per_the_report():
 def test_named_blocks_stay_compressed_through_views():
     from jax.ad_checkpoint import checkpoint_name
 
-    from bsr_jax.format import RESIDUAL_NAME
+    from bsr_jax.core.names import RESIDUAL_NAME
 
     def loss(w, x):
         blocks = jax.lax.stop_gradient(checkpoint_name(jnp.tanh(x), RESIDUAL_NAME)).reshape(4, 4, 4)

@@ -1,4 +1,4 @@
-"""The modelled step time (bsr_jax.roofline): its arithmetic on hand-written HLO, and on programs
+"""The modelled step time (bsr_jax.measure.roofline): its arithmetic on hand-written HLO, and on programs
 compiled deviceless for H100 and TPU v5p, against counts derived by hand from their shapes."""
 
 import dataclasses
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import bsr_jax
-from bsr_jax import roofline as rl
-from bsr_jax.compiled import compiled_memory
+from bsr_jax.measure import roofline as rl
+from bsr_jax.measure.compiled import compiled_memory
 
 # Round numbers make every expected time a hand computation: 1 GB/s, 1 GFLOP/s, 1 s a launch.
 TOY = rl.Hardware("toy", hbm_bytes_per_s=1e9, matmul_flops={"bf16": 2e9}, default_flops=1e9, launch_s=1.0, host_bytes_per_s=1e8)
@@ -188,6 +188,6 @@ def test_tpu_batched_dots_written_as_dilated_convolutions_count_xlas_flops():
     its window: one tap of each window reads data. The roofline's count equals XLA's own."""
     p, v = jax.ShapeDtypeStruct((4, 2, 40, 40), jnp.float32), jax.ShapeDtypeStruct((4, 40, 2, 16), jnp.float32)
     step = compiled_memory(lambda p, v: jnp.einsum("bhqk,bkhd->bqhd", p, v), p, v, target="tpu-v5p")
-    compiled = bsr_jax.compiled.compile_for(lambda p, v: jnp.einsum("bhqk,bkhd->bqhd", p, v), p, v, target="tpu-v5p")
+    compiled = bsr_jax.measure.compiled.compile_for(lambda p, v: jnp.einsum("bhqk,bkhd->bqhd", p, v), p, v, target="tpu-v5p")
     assert "lhs_dilate" in compiled.as_text()
     assert rl.roofline(compiled.as_text(), "tpu-v5p").flops == step.flops == 2 * 4 * 2 * 40 * 40 * 16

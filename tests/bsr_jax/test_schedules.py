@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 import bsr_jax
-from bsr_jax.schedules import layer_sparsity, prunable_layer_paths, scale_rules, warmup_sparsity
-from bsr_jax.sensitivity import gradient_sensitivity
+from bsr_jax.rewrite.schedules import layer_sparsity, prunable_layer_paths, scale_rules, warmup_sparsity
+from bsr_jax.rewrite.sensitivity import gradient_sensitivity
 
 
 class Net(nn.Module):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bsr_jax import sharding
+from bsr_jax.core import sharding
 from tests import host_devices
 
 

@@ -1,4 +1,4 @@
-"""Low-precision storage (bsr_jax.quantize): every block kept at sparsity 0, int4 packing and
+"""Low-precision storage (bsr_jax.storage.quantize): every block kept at sparsity 0, int4 packing and
 stochastic rounding, and the rule that a compressed residual is never larger than the dense one.
 
 References are independent of the library: numpy float64 products of the exact input, and the
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import bsr_jax
-from bsr_jax.format import Pruning, from_dense
-from bsr_jax.quantize import dequantize_blocks, dequantize_rows, quantize_blocks, quantize_rows
+from bsr_jax.storage.format import from_dense
+from bsr_jax.storage.pruning import Pruning
+from bsr_jax.storage.quantize import dequantize_blocks, dequantize_rows, quantize_blocks, quantize_rows
 
 
 def _normal(shape, seed=0):
@@ -214,6 +215,6 @@ def test_gradients_read_the_rows_layout_as_the_cpu_reads_blocks(storage_dtype, m
         return jnp.vdot(bsr_jax.bsr_linear(h, w, pruning=pruning), c)
 
     on_cpu = jax.grad(loss, (0, 1, 2))(w, scale, x)
-    monkeypatch.setattr(bsr_jax.platforms, "by_lowering_platform", lambda default, branches, *ops: default(*ops))
+    monkeypatch.setattr(bsr_jax.core.platforms, "by_lowering_platform", lambda default, branches, *ops: default(*ops))
     elsewhere = jax.grad(loss, (0, 1, 2))(w, scale, x)
     chex.assert_trees_all_close(elsewhere, on_cpu, rtol=1e-5, atol=1e-5)

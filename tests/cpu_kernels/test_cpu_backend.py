@@ -11,7 +11,8 @@ from block_cases import dense_operand
 from numerics import assert_close_scaled
 
 import cpu_kernels
-from bsr_jax import backends, bsr_linear, from_dense
+from bsr_jax import bsr_linear, from_dense
+from bsr_jax.backends import dispatch as backends
 
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(isa not in cpu_kernels.supported_isas(), reason=f"this CPU lacks {isa}"))

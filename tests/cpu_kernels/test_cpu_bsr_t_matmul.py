@@ -9,8 +9,9 @@ import pytest
 from block_cases import ONE_BLOCK, SEVERAL_WITH_EMPTY_COLUMN, dense_operand, kept_blocks, random_mask
 
 import cpu_kernels
-from bsr_jax import backends, from_dense
-from bsr_jax.quantize import dequantize_blocks, quantize_blocks
+from bsr_jax import from_dense
+from bsr_jax.backends import dispatch as backends
+from bsr_jax.storage.quantize import dequantize_blocks, quantize_blocks
 from pallas_kernels import bsr_t_matmul_reference
 
 # A path the CPU lacks would die on an illegal instruction: skip it, saying so.

@@ -1,6 +1,6 @@
 """cpu_kernels.quantize_blocks (the C++ FFI kernel that stores every block of x in int8 / int4), on
 every instruction-set path this CPU has, bitwise against the jitted jax.numpy reference
-(bsr_jax.quantize.quantize_blocks of x's blocks in block-column-major order)."""
+(bsr_jax.storage.quantize.quantize_blocks of x's blocks in block-column-major order)."""
 
 import chex
 import jax
@@ -10,7 +10,7 @@ import pytest
 
 import cpu_kernels
 from bsr_jax import from_dense
-from bsr_jax.quantize import dequantize_blocks, quantize_blocks
+from bsr_jax.storage.quantize import dequantize_blocks, quantize_blocks
 
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(isa not in cpu_kernels.supported_isas(), reason=f"this CPU lacks {isa}"))
@@ -77,7 +77,7 @@ def test_bfloat16_input_is_read_as_its_float32_value(storage_dtype, isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("storage_dtype", ["int4", "int8"])
 def test_nan_and_inf_blocks_get_nan_scales_and_zero_values(storage_dtype, isa):
-    """The documented rule (bsr_jax.quantize): a block holding NaN or inf has a NaN scale, so its
+    """The documented rule (bsr_jax.storage.quantize): a block holding NaN or inf has a NaN scale, so its
     NaN reaches dW; its stored values are 0. Every other block is as the reference stores it."""
     x = special_values((48, 48), storage_dtype, seed=2)
     poisoned = x.at[3, 5].set(jnp.nan).at[40, 33].set(-jnp.inf)  # blocks (0, 0) and (2, 2)

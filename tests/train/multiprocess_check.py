@@ -10,7 +10,7 @@ single-device computations of its own (on its first device):
    device prunes its own shard, whichever process it belongs to);
 2. a stop signal received by one process only stops both (``StopRequest.agreed``);
 3. the library's own path, ``bsr_linear`` under a plain ``jax.jit`` on an Explicit mesh spanning
-   both processes (``bsr_jax.sharding``, no train/ code): y and dx exact, dW the sum over the 4 row
+   both processes (``bsr_jax.core.sharding``, no train/ code): y and dx exact, dW the sum over the 4 row
    shards of single-device ones.
 The whole CLI run (data, optimizer steps, evaluation, checkpoints) against 1 process x 4 devices
 is test_multiprocess.py's slow test and benchmarks/multiprocess.py.

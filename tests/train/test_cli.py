@@ -37,7 +37,9 @@ def run_cli(module: str, *args: str, home, **env: str) -> subprocess.CompletedPr
 
 
 def test_option_lists_match_the_library_and_the_models():
-    from bsr_jax import backends, dx, format as bsr_format
+    from bsr_jax.backends import dispatch as backends
+    from bsr_jax.ops import dx
+    from bsr_jax.storage import format as bsr_format
     from train import resnet
     from train.models import PRESETS
 

@@ -124,7 +124,7 @@ def _scan_outputs(jaxpr) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_lean_pass_reaches_inside_scan(remat):
-    """compress_model's lean pass (bsr_jax.lean_graph) evaluates the scan's body segment by
+    """compress_model's lean pass (bsr_jax.rewrite.lean_graph) evaluates the scan's body segment by
     segment, as it does a Python loop of layers: no scan of the backward pass stacks the layers'
     attention probabilities (B, heads, T, T), which a checkpoint around the whole scan recomputes
     for all layers at once before the backward scan reads them (issue 34: gpt2-small's int4 step

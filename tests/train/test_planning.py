@@ -4,7 +4,7 @@ import chex
 import jax
 import pytest
 
-from bsr_jax import planner
+from bsr_jax.planning import search as planner
 from train import planning
 from train.config import TrainConfig, UsageError
 from train.lm_config import LMConfig

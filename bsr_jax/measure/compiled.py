@@ -1,0 +1,286 @@
+"""What a compiled step needs on a GPU or TPU, measured on any machine: deviceless compilation.
+
+XLA's GPU and TPU compilers run on the host without an accelerator. Compiled for a topology
+description, a jitted step gets the buffer plan the accelerator would run: its peak is what a
+device must hold, after XLA's fusion, rematerialisation and scheduling (which a jaxpr's residuals
+do not see). ``compiled_memory(step, *args, target="h100")`` returns it with the FLOPs, a modelled
+step time (XLA:TPU's own cost model on TPU; a per-kernel roofline over the optimized HLO on H100,
+``bsr_jax.measure.roofline``) and, with ``breakdown=True``, the buffers live at the peak and the costliest
+kernels, by the op that produced them (module paths come from the ops' names). See docs/memory.md.
+
+Targets (``TARGETS``) need, on a machine without a GPU, jax started without its CUDA platform
+(``JAX_PLATFORMS=cpu``, which importing ``bsr_jax`` before jax sets where the user has not), and
+the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
+libtpu at jax's version; no CUDA toolkit, driver or TPU needed). Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
+workspaces beyond XLA's own scratch, and anything outside the compiled step (input pipeline, host
+copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bsr_jax.measure import roofline as roofline_lib
+
+# The H100 SXM device description (the form of XLA's xla/tools/hlo_opt/gpu_specs).
+H100_CONFIG = os.path.join(os.path.dirname(__file__), "h100_sxm.txtpb")
+# XLA:GPU tunes GEMM algorithms on a device; without one, use its defaults and no Triton GEMMs.
+_GPU_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+DEVICELESS_TARGETS = ("h100", "tpu-v5p")  # compiled for without the device
+TARGETS = ("host", *DEVICELESS_TARGETS)
+
+
+@functools.cache
+def target_devices(target: str) -> tuple[Any, ...]:
+    """Devices of a deviceless ``target`` topology (``"h100"``: 8 GPUs of one host; ``"tpu-v5p"``:
+    a 2x2x1 slice), or the host's own for ``"host"``."""
+    if target == "host":
+        return tuple(jax.devices())
+    from jax.experimental import topologies
+
+    try:
+        if target == "h100":
+            with open(H100_CONFIG) as f:
+                config = f.read()
+            topo = topologies.get_topology_desc(platform="cuda", topology="1x1x8", target_config=config)
+        elif target == "tpu-v5p":
+            # Compiling needs no TPU, so several processes (pytest workers) may load libtpu at once.
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+            topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+        else:
+            raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    except (RuntimeError, ImportError) as e:
+        if "lockfile" in str(e):
+            hint = "another process holds libtpu (one at a time)"
+        elif target == "h100" and "cuda" not in jax.devices()[0].platform and not os.environ.get("JAX_PLATFORMS"):
+            # Without a GPU, jax's CUDA plugin fails its driver check and registers only when the
+            # platforms to start are named (and exclude cuda).
+            hint = "set JAX_PLATFORMS=cpu before jax starts (without a GPU the CUDA plugin registers only then)"
+        else:
+            hint = 'install the plugins with `pip install "bsr-jax[aot]"` (jax\'s CUDA plugin and libtpu, at jax\'s version)'
+        raise RuntimeError(f"cannot compile for {target} on this machine: {hint} ({e})") from e
+    return tuple(topo.devices)
+
+
+def target_mesh(target: str, devices: int = 1, axis_names: tuple[str, ...] = ("data",)) -> Mesh:
+    """A mesh of ``devices`` devices of ``target``, as a 1-D mesh (or reshaped to ``axis_names``'
+    length when it is 2: ``(devices // 2, 2)``)."""
+    found = target_devices(target)
+    if not 1 <= devices <= len(found):
+        raise ValueError(f"devices must be in [1, {len(found)}] for {target}, got {devices}")
+    grid = np.array(found[:devices])
+    if len(axis_names) == 2:
+        grid = grid.reshape(devices // 2, 2)
+    return Mesh(grid, axis_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's ``memory_analysis()`` of a compiled function, in bytes."""
+
+    temp: int
+    arguments: int
+    outputs: int
+    aliased: int
+
+    @property
+    def peak(self) -> int:
+        """Upper bound of live bytes: temporaries plus arguments plus outputs not aliased."""
+        return self.temp + self.arguments + self.outputs - self.aliased
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> CompiledMemory:
+        """The memory analysis of an already compiled function."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise RuntimeError("the compiler reports no memory analysis for this program")
+        return cls(
+            temp=int(stats.temp_size_in_bytes),
+            arguments=int(stats.argument_size_in_bytes),
+            outputs=int(stats.output_size_in_bytes),
+            aliased=int(stats.alias_size_in_bytes),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+    """Bytes live at the peak that one op produced (``op``: its name, module path included)."""
+
+    op: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """A compiled function's memory plan and cost, in bytes, FLOPs and seconds.
+
+    ``peak`` is XLA's own peak (arguments, outputs and temporaries as its heap places them: tile
+    padding and the gaps its packing leaves included); ``flops`` is the compiler's count, or where it
+    reports none (XLA:GPU) the roofline's count of matmul and convolution FLOPs;
+    ``optimal_seconds`` is XLA:TPU's modelled step time (None elsewhere, and where its cost model
+    cannot time the program). ``modelled_seconds`` is the step time to compare settings by on the
+    target: ``optimal_seconds`` on TPU, the roofline's (``roofline_seconds``) on H100; None on the
+    host. ``roofline_seconds`` is the per-kernel roofline of the optimized HLO with the target's
+    figures (``bsr_jax.measure.roofline``), on TPU too, where it checks the method against XLA's own model.
+    With a breakdown: ``kernels`` are the costliest kernels of the roofline (ten, costliest first,
+    ``by_module`` names their modules), ``live_at_peak`` lists the buffers
+    live at the busiest point of XLA's live-range analysis, largest first, and ``live_peak`` is
+    their sum in the arrays' own (unpadded) sizes. The two peaks are counted differently: on XLA:TPU
+    ``peak`` also holds tile padding and the gaps the heap's packing leaves, and they differ either
+    way (docs/memory.md). Empty and None unless asked for.
+    """
+
+    target: str
+    peak: int
+    temp: int
+    arguments: int
+    outputs: int
+    aliased: int
+    flops: float | None
+    optimal_seconds: float | None
+    modelled_seconds: float | None = None
+    roofline_seconds: float | None = None
+    live_at_peak: tuple[LiveBuffer, ...] = ()
+    live_peak: int | None = None
+    kernels: tuple[roofline_lib.Kernel, ...] = ()
+
+    def by_module(self, depth: int = 2) -> dict[str, int]:
+        """Live-at-peak bytes summed by the first ``depth`` components of each op's module path
+        (block indices kept), e.g. ``{"block3/fc1": ...}``; parameters and optimizer state under
+        their argument names."""
+        totals: dict[str, int] = {}
+        for buffer in self.live_at_peak:
+            path = _module_path(buffer.op, depth)
+            totals[path] = totals.get(path, 0) + buffer.bytes
+        return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def _module_path(op: str, depth: int) -> str:
+    parts = [p for p in op.split("/") if p and not re.match(r"^(jit|jvp|transpose|vmap|checkpoint|remat)\(", p)]
+    parts = [re.sub(r"\{\d+\}$", "", p) for p in parts]
+    return "/".join(parts[:depth]) or op
+
+
+def _placed(args: Any, mesh: Mesh) -> Any:
+    # Arrays and shape structs without a sharding are replicated on the target's mesh; structs that
+    # carry a sharding (e.g. from target_mesh) keep it.
+    def place(a):
+        if isinstance(a, jax.ShapeDtypeStruct) and isinstance(a.sharding, NamedSharding):
+            return a
+        return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    return jax.tree.map(place, args)
+
+
+_LIVE = re.compile(r"── (.+?) \([\d.]+%, total: [\d\s\u202f\xa0]+ bytes, current: ([\d\s\u202f\xa0]+) bytes")
+
+
+_LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d\s\u202f\xa0]+) bytes")
+
+
+def _live_at_peak(dump_dir: str) -> tuple[tuple[LiveBuffer, ...], int | None]:
+    """The 'Stack trace breakdown for peak usage' of XLA's live-range dump of the largest module,
+    and the total it names (None where the dump has no breakdown)."""
+    dumps = glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt"))
+    if not dumps:
+        raise RuntimeError(f"XLA wrote no live-range dump in {dump_dir}: no breakdown for this target")
+    with open(max(dumps, key=os.path.getsize)) as f:
+        text = f.read()
+    section = text[text.index("Stack trace breakdown") :] if "Stack trace breakdown" in text else ""
+    found = [LiveBuffer(m.group(1).removeprefix("jit(").split(")/", 1)[-1], int(re.sub(r"\D", "", m.group(2))))
+             for m in _LIVE.finditer(section)]
+    total = _LIVE_PEAK.search(section)
+    live_peak = int(re.sub(r"\D", "", total.group(1))) if total else None
+    return tuple(sorted((b for b in found if b.bytes), key=lambda b: -b.bytes)), live_peak
+
+
+def lower_for(
+    fn: Callable[..., Any], *args: Any, target: str = "host", devices: int = 1, donate_argnums: int | tuple[int, ...] = ()
+) -> jax.stages.Lowered:
+    """``fn(*args)`` lowered for ``target``, as ``compile_for`` lowers it: cheap beside compiling,
+    and two lowerings with the same ``as_text()`` compile to the same program."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
+    if target != "host":
+        args = _placed(args, target_mesh(target, devices))
+    return jitted.lower(*args)
+
+
+def compile_for(
+    fn: Callable[..., Any] | jax.stages.Lowered,
+    *args: Any,
+    target: str = "host",
+    devices: int = 1,
+    donate_argnums: int | tuple[int, ...] = (),
+    options: dict[str, Any] | None = None,
+) -> jax.stages.Compiled:
+    """``fn(*args)`` compiled for ``target`` (nothing runs), as ``compiled_memory`` compiles it;
+    ``fn`` may be ``lower_for``'s result (then ``args`` are unused). ``options`` are extra XLA
+    compile options. Read the program with ``.as_text()``."""
+    lowered = fn if isinstance(fn, jax.stages.Lowered) else lower_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums)
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    options = (dict(_GPU_OPTIONS) if target == "h100" else {}) | (options or {})
+    return lowered.compile(options or None)
+
+
+def compiled_memory(
+    fn: Callable[..., Any],
+    *args: Any,
+    target: str = "host",
+    devices: int = 1,
+    donate_argnums: int | tuple[int, ...] = (),
+    breakdown: bool = False,
+) -> CompiledStep:
+    """Compile ``fn(*args)`` for ``target`` (nothing runs) and read XLA's memory plan and cost.
+
+    Args:
+      fn: a function or a ``jax.jit``-ed one (then ``donate_argnums`` is its own), or
+        ``lower_for``'s result for the same ``target`` (then ``args`` are unused).
+      *args: arrays or ``jax.ShapeDtypeStruct``; placed replicated on ``devices`` devices of the
+        target unless they carry a ``NamedSharding`` already (build one on ``target_mesh``).
+      target: ``"host"`` (this machine's backend), ``"h100"`` (XLA:GPU for an H100 SXM) or
+        ``"tpu-v5p"`` (XLA:TPU).
+      devices: devices of the target to place replicated arguments on.
+      donate_argnums: arguments whose buffers the step may reuse (params and optimizer state of a
+        training step), as ``jax.jit``'s.
+      breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
+        directory) and the ten costliest kernels of the roofline.
+    """
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = {"xla_dump_to": dump_dir} if breakdown else {}
+        compiled = compile_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums, options=options)
+        live, live_peak = _live_at_peak(dump_dir) if breakdown else ((), None)
+    memory = CompiledMemory.of(compiled)
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    # XLA:TPU reports a negative time for programs its cost model cannot time.
+    optimal = seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None
+    modelled = roofline_lib.roofline(compiled.as_text(), target) if target in roofline_lib.HARDWARE else None
+    return CompiledStep(
+        target=target,
+        # XLA's own peak as scheduled where it reports one; else the bound CompiledMemory gives.
+        peak=int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)) or memory.peak,
+        **{f.name: getattr(memory, f.name) for f in dataclasses.fields(CompiledMemory)},
+        flops=cost.get("flops", modelled.flops if modelled else None),
+        optimal_seconds=optimal,
+        modelled_seconds=optimal if target.startswith("tpu") else modelled and modelled.seconds,
+        roofline_seconds=modelled and modelled.seconds,
+        live_at_peak=live,
+        live_peak=live_peak,
+        kernels=modelled.top(10) if breakdown and modelled else (),
+    )

@@ -1,0 +1,118 @@
+"""``bsr_jax.plan`` for ``flax.linen`` models: the repeated blocks from the traced loss (name
+stacks), each candidate ``compress_model`` with rules, lean modes, dx and remat by path."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import optax
+from jax.extend import core as jax_core
+
+from bsr_jax.rewrite.compress import compress_model
+from bsr_jax.planning.options import OPTIONS, abstract, natural
+from bsr_jax.measure.report import module_path
+from bsr_jax.rewrite.rules import Rule
+
+
+def _walk(jaxpr: Any, scale: int = 1) -> Any:
+    """``(equation, its jaxpr's trip count)`` for every equation, nested ones too."""
+    for eqn in jaxpr.eqns:
+        yield eqn, scale
+        inner = scale * eqn.params["length"] if eqn.primitive is jax.lax.scan_p else scale
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            yield from _walk(sub, inner)
+
+
+def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
+    """The repeated blocks of a traced model: ``(paths, scanned)``. Siblings whose names differ
+    only in a trailing number (``MixerBlock_3``, ``h/7``) and that have submodules form a group;
+    the group whose equations
+    count most (times the trip count of the loops they run in) wins; a ``nn.scan``'s layer (the
+    common module of its body's equations) counts as one block run ``length`` times."""
+    weight: dict[str, int] = {}
+    scans: dict[str, int] = {}
+    for eqn, scale in _walk(jaxpr):
+        parts = module_path(eqn.source_info.name_stack, frozenset({root})).split("/")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            weight[prefix] = weight.get(prefix, 0) + scale
+        if eqn.primitive is jax.lax.scan_p:
+            body = [module_path(e.source_info.name_stack, frozenset({root})).split("/")[0] for e, _ in _walk(eqn.params["jaxpr"].jaxpr)]
+            if body and all(p == body[0] and p for p in body):
+                scans[body[0]] = eqn.params["length"]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path in weight:
+        if not path:
+            continue
+        parent, _, name = path.rpartition("/")
+        stem = re.sub(r"_?\d+$", "", name)
+        if stem != name:
+            groups.setdefault((parent, stem), []).append(path)
+    # A block has submodules of its own: a row of single layers (Dense_0, Dense_1) is not a block.
+    composite = {path.rpartition("/")[0] for path in weight}
+    candidates = [(sum(weight[p] for p in paths), tuple(sorted(paths, key=natural)), False)
+                  for paths in groups.values() if len(paths) > 1 and all(p in composite for p in paths)]  # fmt: skip
+    candidates += [(weight.get(path, 0), (path,), True) for path in scans]
+    if not candidates:
+        raise ValueError("plan: found no repeated blocks (siblings named name_0, name_1, ... or a nn.scan's layer) in the model")
+    _, paths, scanned = max(candidates, key=lambda c: c[0])
+    return paths, scanned
+
+def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], rest: str = "keep") -> nn.Module:
+    """``model`` with block ``blocks[i]`` treated as ``OPTIONS[choices[i]]`` and everything else as
+    ``OPTIONS[rest]`` (``compress_model`` with rules, lean modes, dx and remat by path); ``model``
+    itself where everything is kept."""
+    if set(choices) <= {"keep"} and rest == "keep":
+        return model
+    rules, lean, dx, remat = [], [], [], []
+    for block, name in zip(blocks, choices):
+        option = OPTIONS[name]
+        inside = (block, f"{block}/*")
+        # Every block gets its own rule, exact ones too: the rest's rule ("*") is for what lies
+        # outside the blocks (a kept or remat block under a rest of int4 stays exact).
+        rules.append(Rule(f"{block}/*", option.compression))
+        if option.remat:
+            remat.append((block, option.policy))
+            continue
+        lean += [(p, option.lean) for p in inside]
+        dx += [(p, option.dx) for p in inside]
+    rest_option = OPTIONS[rest]
+    rules.append(Rule("*", rest_option.compression))
+    lean.append(("*", rest_option.lean))
+    dx.append(("*", None))
+    any_dx = any(fmt for _, fmt in dx)
+    return compress_model(model, rules, lean=lean, dx=dx if any_dx else None, remat=remat)
+
+
+class Linen:
+    """A linen model: blocks from its traced loss, candidates from ``assemble``, its variables as the state."""
+
+    name = "flax.linen"
+    unavailable: Mapping[str, str] = {}
+    rest_unavailable: Mapping[str, str] = {}
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., jax.Array], batch: Sequence[Any], variables: Any,
+                 init_args: Sequence[Any] | None):  # fmt: skip
+        if variables is None:
+            args = abstract(tuple(init_args) if init_args is not None else batch[:1])
+            variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)))
+        self.model, self.loss_fn, self.state = model, loss_fn, abstract(variables)
+        self.params = self.state["params"]
+        traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(self.state, *batch)
+        self.blocks = find_blocks(traced.jaxpr, type(model).__name__)[0]
+
+    def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
+        return assemble(self.model, self.blocks, choices, rest)
+
+    def step(self, module: nn.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+        def step(variables, opt_state, *batch):
+            others = {k: v for k, v in variables.items() if k != "params"}
+            value, grads = jax.value_and_grad(lambda p: loss_fn(module, others | {"params": p}, *batch))(variables["params"])
+            updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
+            return others | {"params": optax.apply_updates(variables["params"], updates)}, opt_state, value
+
+        return step

@@ -1,0 +1,71 @@
+"""The planner's vocabulary, shared by ``bsr_jax.plan`` and its linen and NNX halves: what a block
+can do (``OPTIONS``), what the rest of the model can do (``REST_OPTIONS``) and budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from bsr_jax.storage.pruning import Pruning
+
+REST = "(rest)"  # the choices' key for everything outside the blocks
+LOSS = "(loss)"  # the choices' key for the loss where plan(loss_chunk=) chose the chunked one
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """What one block does: its layers' compression (``None``: exact dW), lean neighbours, an
+    approximate-dx format, or a remat policy (``remat=True``: the whole block under
+    ``jax.checkpoint(policy=policy)``, ``policy=None`` keeping nothing)."""
+
+    compression: Pruning | None = None
+    lean: bool = True
+    dx: str | None = None
+    remat: bool = False
+    policy: Callable[..., bool] | None = None
+    exact: bool = True
+
+
+_INT4 = Pruning(0.0, block=16, storage_dtype="int4")
+OPTIONS: Mapping[str, Option] = {
+    "keep": Option(lean=False),
+    "lean": Option(),
+    "int8": Option(Pruning(0.0, block=16, storage_dtype="int8"), exact=False),
+    "int4": Option(_INT4, exact=False),
+    "int4-dx8": Option(_INT4, dx="int8", exact=False),
+    "topk": Option(Pruning(0.7, block=16), exact=False),
+    "remat": Option(remat=True),
+    "remat-dots": Option(remat=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "remat-dots-all": Option(remat=True, policy=jax.checkpoint_policies.dots_saveable),
+    "remat-offload": Option(remat=True, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
+}
+EXACT = tuple(name for name, option in OPTIONS.items() if option.exact)
+REST_OPTIONS = ("keep", "lean", "int4")
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_budget(budget: int | float | str) -> tuple[str, float]:
+    """``("bytes", n)`` or ``("fraction", f)`` (of the dense step's peak) from ``12 * 2**30``,
+    ``"12GiB"``, ``"800MB"``, ``0.5`` or ``"0.5"``; a ``ValueError`` naming the forms otherwise."""
+    value, unit = budget, None
+    if isinstance(budget, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([a-zA-Z]*)\s*", budget)
+        if match is not None and match.group(2).upper() in _UNITS:
+            value, unit = float(match.group(1)), match.group(2).upper()
+    if isinstance(value, float) and unit in (None, "") and 0 < value <= 1:
+        return "fraction", value
+    if (isinstance(value, int) or unit is not None) and not isinstance(value, bool) and value * _UNITS[unit or ""] > 1:
+        return "bytes", float(value * _UNITS[unit or ""])
+    raise ValueError("budget must be bytes (int), a size string like '12GiB' or '800MB', or a fraction of the dense "
+                     f"step's peak in (0, 1], got {budget!r}")  # fmt: skip
+
+
+def abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
+
+def natural(path: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path))

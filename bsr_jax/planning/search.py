@@ -1,0 +1,307 @@
+"""Fit a training step into a memory budget at the least modelled time: ``plan``.
+
+``plan(model, loss_fn, *example_batch, optimizer=..., budget=..., target="h100")`` chooses, for
+each repeated block of a linen model (``MixerBlock_0..11``, ``encoderblock_i``, a ``nn.scan``'s
+layer), one of ``OPTIONS`` (keep, lean neighbours, int8/int4 storage, int4 with approximate dx,
+top-k, remat of the block under JAX's policies, host offload), and one for the rest of the model
+(keep, lean, int4), the combination with the least modelled step time
+(``CompiledStep.modelled_seconds``) whose compiled peak fits ``budget``; it compiles what it
+returns. Everything it measures is a full step: loss, gradient, optimizer update, parameters and
+optimizer state donated, compiled deviceless for ``target`` (``bsr_jax.compiled_memory``).
+
+How it searches, in compiles (each cached by its choices):
+
+1. the dense step (the budget's reference and the baseline), then every option on every block
+   at once (``uniform``): the peak and time each option adds per block, assuming blocks alike;
+2. the rest of the model lean or int4, with the blocks at the option of least peak;
+3. the linear model of those deltas ranks every assignment that mixes at most two options over
+   the blocks (the more compressing one on the first blocks, whose residuals live longest) with
+   each choice for the rest: with one budget, the best of a linear model needs no more than two
+   options per block kind. The best predicted assignments are compiled in order until
+   ``verify`` of them were compiled; the fastest compiled one within budget is returned.
+
+Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
+uncompiled: a plan's peak and time are those of its own compiled step. Approximate options
+(``int8``/``int4`` dW, ``int4-dx8`` dx, ``topk``) change gradients within the bounds documented in
+docs/memory.md; ``options=EXACT`` restricts the search to exact ones.
+
+Linen models' blocks and candidates are ``bsr_jax.planning.linen``'s; ``flax.nnx`` models
+(``bsr_jax.planning.nnx``) take the same search over blocks found in their
+module graph (an ``nnx.List`` of blocks, ``block_0, block_1``), each candidate built on a clone:
+per block keep, int8/int4/topk (compression only, no lean neighbours) and the remat options; for
+the rest keep or int4. ``lean``/``int4-dx8`` per block and a lean rest are linen's (rules by
+path), and blocks stacked for ``nnx.scan`` are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+import optax
+from flax import nnx
+
+from bsr_jax.planning import nnx as planner_nnx
+from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory, lower_for
+from bsr_jax.planning.linen import Linen, assemble, find_blocks
+from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
+from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One compiled candidate: its choices (block path -> option, ``REST`` -> the rest's), peak
+    (bytes) and modelled step time (seconds)."""
+
+    choices: Mapping[str, str]
+    peak: int
+    seconds: float
+
+    @property
+    def label(self) -> str:
+        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"`` (``", chunked loss"``)."""
+        blocks = [name for path, name in self.choices.items() if path not in (REST, LOSS)]
+        return _label(blocks, self.choices[REST]) + (", chunked loss" if LOSS in self.choices else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``plan`` chose. ``model``: a linen module with the dense parameter tree (NNX: a model
+    holding a copy of the user's state, ``nnx.Param`` tree unchanged) and the same forward values,
+    to use in the user's own step with ``loss_fn``, the loss it was measured with (the user's, or
+    ``bsr_jax.chunked_head_loss`` of it where ``plan(loss_chunk=)`` chose that); ``choices``: block
+    path -> option name (``OPTIONS``), ``REST`` -> the rest's, ``LOSS`` -> ``"chunked"`` where the
+    loss is chunked; ``peak``/``modelled_seconds``: its compiled step on
+    ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy);
+    ``tried``: every candidate compiled, in order."""
+
+    model: nn.Module | nnx.Module
+    loss_fn: Callable[..., jax.Array]
+    choices: Mapping[str, str]
+    peak: int
+    modelled_seconds: float
+    budget: int
+    target: str
+    dense: Measured
+    remat: Measured
+    tried: tuple[Measured, ...]
+    compiled: CompiledStep = dataclasses.field(repr=False)
+
+    @property
+    def label(self) -> str:
+        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"``."""
+        return Measured(self.choices, self.peak, self.modelled_seconds).label
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+        lines = [f"plan for {self.target}, budget {mib(self.budget)} ({self.budget / self.dense.peak:.2f} of dense's peak)",
+                 f"  chosen: {mib(self.peak)} ({self.peak / self.dense.peak:.2f}x), {self.modelled_seconds * 1e3:.2f} ms "
+                 f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
+                 f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",
+                 f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
+                 f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)",
+                 "  per block:"]  # fmt: skip
+        blocks = [(path, name) for path, name in self.choices.items() if path not in (REST, LOSS)]
+        for key, group in itertools.groupby(blocks, key=lambda kv: kv[1]):
+            paths = [p for p, _ in group]
+            lines.append(f"    {paths[0] if len(paths) == 1 else paths[0] + ' .. ' + paths[-1]:<40} {key}")
+        lines.append(f"    {'everything else':<40} {self.choices[REST]}")
+        if LOSS in self.choices:
+            lines.append(f"    {'the loss':<40} chunked (use plan.loss_fn)")
+        return "\n".join(lines)
+
+class Family(Protocol):
+    """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planning.nnx.Nnx``)
+    for ``plan``, whose search is the same for both. Constructed as ``(model, loss_fn, batch,
+    variables, init_args)``; ``assemble(choices, rest)``: the model with ``blocks[i]`` as
+    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer, loss_fn)``:
+    ``step(state, opt_state, *batch) -> (state, opt_state, loss)`` of that module."""
+
+    name: str  # the kind, for messages: "flax.linen"
+    unavailable: Mapping[str, str]  # block options this kind cannot take -> why
+    rest_unavailable: Mapping[str, str]  # the same for the rest
+    blocks: tuple[str, ...]  # the repeated blocks' paths
+    state: Any  # abstract: the step's first argument (donated)
+    params: Any  # abstract: what the optimizer updates (its state is the step's second argument)
+
+    def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
+
+    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]: ...
+
+class _Search:
+    """Compiles candidates (cached by their choices) and remembers them in order."""
+
+    def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache):
+        self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
+        self.opt_state = jax.eval_shape(optimizer.init, family.params)
+        self.shared = cache if cache is not None else {}
+        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+        self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
+        # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
+        leaves, structure = jax.tree.flatten((family.state, batch))
+        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves))
+
+    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain") -> Measured:
+        key = (tuple(choices), rest, loss)
+        if key not in self.cache and (self.scope, *key) in self.shared:
+            self.cache[key] = self.shared[(self.scope, *key)]
+        if key not in self.cache:
+            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss])
+            lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            # Different choices can make the same program (dots_saveable where no product has batch
+            # axes is dots_with_no_batch_dims_saveable): lowering is cheap, compiling is not.
+            program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+            same = self.programs.get(program)
+            compiled = same[1] if same else compiled_memory(lowered, target=self.target)
+            choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
+            measured = Measured(choices_by_path, compiled.peak, compiled.modelled_seconds)
+            self.programs.setdefault(program, (measured.label, compiled))
+            self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
+            if self.progress:
+                print(f"[plan] {len(self.cache):>3} {'same as ' + same[0] if same else 'compiled'}: {measured.label:<44} "
+                      f"{compiled.peak / 2**20:>10,.0f} MiB {compiled.modelled_seconds * 1e3:>9.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
+        return self.cache[key][0]
+
+
+def _available(argument: str, given: Sequence[str] | None, known: Sequence[str], family: type) -> tuple[str, ...]:
+    """``given`` checked against ``known`` and what ``family`` cannot take; ``None``: all it can."""
+    unavailable = family.unavailable if argument == "options" else family.rest_unavailable
+    if given is None:
+        return tuple(o for o in known if o not in unavailable)
+    unknown = [o for o in given if o not in known]
+    if unknown:
+        raise ValueError(f"{argument} {unknown} unknown; choose from {tuple(known)}")
+    refused = [o for o in given if o in unavailable]
+    if refused:
+        raise ValueError(f"{argument} {refused} not available for {family.name} models: " + "; ".join(f"{o}: {unavailable[o]}" for o in refused))
+    return tuple(given)
+
+
+def _label(choices: Sequence[str], rest: str) -> str:
+    runs = [f"{len(list(g))}x{name}" for name, g in itertools.groupby(choices)]
+    return " + ".join(runs) + f", rest {rest}"
+
+
+def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
+         budget: int | float | str, target: str = "h100", options: Sequence[str] | None = None,
+         rest_options: Sequence[str] | None = None, verify: int = 3,
+         variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
+         cache: dict | None = None, loss_chunk: int | None = None) -> Plan:  # fmt: skip
+    """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
+
+    Args:
+      model: an unbound ``flax.linen.Module`` with repeated blocks (see ``find_blocks``), or a
+        ``flax.nnx.Module`` with a list of blocks (``bsr_jax.planning.nnx.find_blocks``), not mutated.
+      loss_fn: linen: ``loss_fn(module, variables, *batch) -> scalar``, called with each candidate
+        module (it applies ``module``; mutable collections such as ``batch_stats`` are the caller's to
+        handle). NNX: ``loss_fn(model, *batch) -> scalar``, called with each candidate model holding
+        the step's state (as ``nnx.value_and_grad(loss_fn)(model, *batch)``); gradients are taken
+        with respect to its ``nnx.Param``s.
+      example_batch: arrays or ``jax.ShapeDtypeStruct``s of one training batch.
+      optimizer: the optax transformation of the step (its state counts toward the peak).
+      budget: bytes (int), a size string (``"12GiB"``, ``"800MB"``) or a fraction in (0, 1] of the
+        dense step's compiled peak on ``target``.
+      target: ``"h100"`` or ``"tpu-v5p"`` (deviceless; see ``bsr_jax.compiled_memory``).
+      options: names from ``OPTIONS`` the blocks may take (``EXACT``: only exact ones); ``"keep"``
+        is always included. Default: all the model's kind can take (NNX: not ``"lean"`` nor
+        ``"int4-dx8"``, which need linen's rules by path; naming them is a ``ValueError``).
+      rest_options: what everything outside the blocks may take (``REST_OPTIONS``; NNX: not
+        ``"lean"``); ``"keep"`` is always included.
+      verify: how many mixed assignments, best predicted first, are compiled.
+      variables: (linen) the model's variables (arrays or ``ShapeDtypeStruct``s); default: the
+        abstract ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``.
+        An NNX model carries its own state (arrays, or ``ShapeDtypeStruct``s from ``nnx.eval_shape``).
+      progress: one line on stderr per compile.
+      cache: a dict of compiled candidates to read and fill, shared between calls with the same
+        model, loss and optimizer (e.g. several budgets); entries are kept apart by target, block
+        paths and the shapes of the variables and batch. By default each call compiles anew.
+      loss_chunk: also consider the loss through ``bsr_jax.chunked_head_loss(loss_fn,
+        chunk=loss_chunk)`` (exact; a head projection followed by optax's softmax cross-entropy
+        never holds its logits): chosen where it makes the step faster within the budget or is
+        needed to fit; then ``plan.loss_fn`` is that loss, for the user's step. Default: the loss
+        as given.
+
+    Returns:
+      a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
+      (NNX: a new model holding a copy of ``model``'s state).
+
+    Raises:
+      ValueError: bad ``budget``/``target``/``options``, a model with no repeated blocks (or, NNX,
+        blocks stacked for ``nnx.scan``), or no candidate within budget (the message names the
+        smallest compiled peak and its choices).
+    """
+    kind, amount = parse_budget(budget)
+    if target not in DEVICELESS_TARGETS:
+        raise ValueError(f"target must be one of {DEVICELESS_TARGETS}, got {target!r}")
+    if not isinstance(verify, int) or verify < 0:
+        raise ValueError(f"verify must be an int >= 0, got {verify!r}")
+    if not isinstance(model, (nn.Module, nnx.Module)):
+        raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
+    family_type = Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
+    options = _available("options", options, tuple(OPTIONS), family_type)
+    rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type)
+    if loss_chunk is not None:
+        check_chunk(loss_chunk, "loss_chunk")
+    loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
+    batch = abstract(example_batch)
+    family: Family = family_type(model, loss_fn, batch, variables, init_args)
+    search = _Search(family, loss_fns, batch, optimizer, target, progress, cache)
+    blocks = family.blocks
+    n = len(blocks)
+    if progress:
+        print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}", file=sys.stderr)
+    dense = search.measure(["keep"] * n, "keep")
+    limit = amount * dense.peak if kind == "fraction" else amount
+    names = list(dict.fromkeys(["keep", *options]))
+    uniform = {name: search.measure([name] * n, "keep") for name in names}
+    remat = search.measure(["remat"] * n, "keep")
+    smallest = min(names, key=lambda name: uniform[name].peak)
+
+    def delta(rest: str, loss: str) -> tuple[int, float]:
+        """What the rest's or the loss's choice adds, measured with every block at ``smallest``."""
+        m, base = search.measure([smallest] * n, rest, loss), uniform[smallest]
+        return m.peak - base.peak, m.seconds - base.seconds
+
+    rest_delta = {"keep": (0, 0.0)} | {rest: delta(rest, "plain") for rest in dict.fromkeys(rest_options) if rest != "keep"}
+    loss_delta = {"plain": (0, 0.0)} | ({"chunked": delta("keep", "chunked")} if "chunked" in loss_fns else {})
+
+    def predicted(choices: tuple[str, ...], rest: str, loss: str) -> tuple[float, float]:
+        peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + rest_delta[rest][0] + loss_delta[loss][0]
+        seconds = dense.seconds + sum(uniform[c].seconds - dense.seconds for c in choices) / n + rest_delta[rest][1] + loss_delta[loss][1]
+        return peak, seconds
+
+    assignments = {(tuple([b] * k + [a] * (n - k)), rest, loss)
+                   for a in names for b in names for k in range(n + 1) for rest in rest_delta for loss in loss_delta}  # fmt: skip
+    ranked = sorted((predicted(*a)[1], a) for a in assignments if predicted(*a)[0] <= limit and a not in search.cache)
+    # Compile the best predicted until `verify` fit (or twice that many were tried): where the
+    # linear model was optimistic, the next ones down the ranking repair it.
+    fits = tried = lowered = 0
+    for _, key in ranked:
+        if fits >= verify or tried >= 2 * verify or lowered >= 4 * verify:
+            break
+        compiled_before = len(search.programs)
+        fits += search.measure(*key).peak <= limit
+        tried += len(search.programs) > compiled_before  # a program compiled before costs no try...
+        lowered += 1  # ...but its lowering does: bounded too
+    for (scope, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
+        if scope == search.scope:
+            search.cache.setdefault(tuple(key), entry)
+    allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta and key[2] in loss_delta  # noqa: E731  (remat's figure is always compiled)
+    fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]
+    if not fitting:
+        best = min((m for key, (m, _) in search.cache.items() if allowed(key)), key=lambda m: m.peak)
+        raise ValueError(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
+                         f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with {best.label}")  # fmt: skip
+    _, (choices, rest, loss) = min(fitting)
+    chosen, compiled = search.cache[(choices, rest, loss)]
+    return Plan(model=family.assemble(choices, rest), loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
+                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
+
+
+__all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]

@@ -1,0 +1,289 @@
+"""Lean neighbours: norms, activations and attention that keep less for the backward pass, exactly.
+
+Around the linear layers of a typical Flax model, most residual bytes are kept by their neighbours:
+a ``LayerNorm`` keeps about three input-sized arrays, a GELU five arrays of the 4x-wide hidden, and
+dot-product attention three ``(B, H, T, T)`` arrays per layer. Inside ``lean_neighbours()`` those
+computations run so that the backward pass keeps only what their derivatives need and recomputes
+the rest (no matmul of a linear layer is recomputed):
+
+* linen ``LayerNorm``, ``RMSNorm``, ``GroupNorm``, ``BatchNorm`` (also in training mode, which
+  updates ``batch_stats``) and their NNX twins run under a lifted ``checkpoint`` (``nn.checkpoint``,
+  ``nnx.remat``): they keep their input and parameters; the statistics are recomputed.
+* ``gelu`` and ``silu``/``swish`` run under ``jax.checkpoint``: they keep their input.
+* ``relu`` keeps a 1-bit mask of ``x > 0`` (packed into uint8, 1/32 of an f32 input).
+* these activations also where a linen module holds them as attributes (``act=nn.relu``).
+* ``flax.linen.dot_product_attention`` (called directly, or as the default ``attention_fn`` of
+  ``nn.MultiHeadDotProductAttention`` and its subclasses) runs under ``jax.checkpoint``: it keeps
+  q, k, v, the mask/bias and the dropout key, and recomputes the attention probabilities in the
+  backward pass, as flash attention does; dropout recomputes the same mask from the same key.
+
+Forward outputs are bit-identical to the unmodified computation (the same Flax/JAX code runs), and
+every gradient is the one plain autodiff gives, up to float reassociation. ``init`` is not changed.
+
+How it intercepts: linen modules through ``nn.intercept_methods``; functions called as module
+attributes (``nn.gelu(x)``, ``jax.nn.relu(x)``, ``nnx.silu(x)``, ``nn.dot_product_attention(...)``)
+by replacing those attributes of ``jax.nn``, ``flax.linen``, ``flax.nnx`` and their activation
+modules for the duration of the context (the idea of qwix's interception, done by attribute only);
+NNX norms by replacing their classes' ``__call__``. Everything is restored on exit, also on
+exceptions. Not covered: functions imported by name before the context (``from jax.nn import
+gelu``), ``nnx.MultiHeadAttention`` (its attention runs as is), attention that sows its weights
+(``sow_weights=True`` asks for them to be kept). The replaced attributes are process-wide while any
+thread is inside the context; other threads then also get the lean (equally exact) functions.
+
+``compress_model`` (linen) also runs ``bsr_jax.rewrite.lean_graph``, which recognises hand-written norms,
+activations and attention by what they compute; the functions here still matter under NNX and for
+the 1-bit ReLU mask (named ``LEAN_NAME`` so that its policy keeps the mask rather than x).
+
+Tracing is what matters: enter the context where the loss is traced (inside a jitted function, not
+around a call that hits jit's cache of a program traced without it). The lean ``relu`` defines a
+JVP, so forward-mode differentiation works too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.linen import activation as linen_activation
+from flax.linen import attention as linen_attention
+from flax.nnx.nn import activations as nnx_activations
+from jax.ad_checkpoint import checkpoint_name
+
+from bsr_jax.core.names import LEAN_NAME
+from bsr_jax.core.patching import ProcessWidePatch
+
+LINEN_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm)
+NNX_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm)
+# Namespaces whose attributes user code reads at call time (``nn.gelu(x)``); every attribute that
+# is one of the original functions below is replaced while the context is active.
+NAMESPACES = (jax.nn, nn, linen_activation, linen_attention, nnx, nnx_activations)
+
+_dot_product_attention = linen_attention.dot_product_attention
+
+
+def _split_arrays(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """The array leaves of ``tree`` and a function that rebuilds ``tree`` from new ones (the other
+    leaves, e.g. ``use_running_average=False``, stay Python values: transforms must not trace them)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+
+    def rebuild(arrays: list[Any]) -> Any:
+        it = iter(arrays)
+        return jax.tree.unflatten(treedef, [next(it) if a else leaf for leaf, a in zip(leaves, is_array)])
+
+    return [leaf for leaf, a in zip(leaves, is_array) if a], rebuild
+
+
+# ---- activations ----
+
+
+def _checkpointed(original: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``original`` under ``jax.checkpoint``: the backward pass keeps only its array input."""
+
+    @functools.wraps(original)
+    def lean(x, *args, **kwargs):
+        return jax.checkpoint(lambda x: original(x, *args, **kwargs))(x)
+
+    return lean
+
+
+def _pack_mask(mask: jax.Array) -> jax.Array:
+    """A bool array as 1 bit per element: (ceil(size / 8),) uint8."""
+    return jnp.packbits(mask.reshape(-1))
+
+
+def _masked_tangent(packed: jax.Array, t: jax.Array) -> jax.Array:
+    mask = jnp.unpackbits(packed, count=t.size).reshape(t.shape).astype(bool)
+    return jnp.where(mask, t, jnp.zeros_like(t))
+
+
+def _bitmask_relu(original: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+    """``original`` (``jax.nn.relu``) whose derivative keeps ``x > 0`` as 1 bit per element.
+
+    Same forward; the tangent is ``t`` where ``x > 0`` and 0 elsewhere (0 at ``x == 0`` and for NaN,
+    as ``jax.nn.relu``'s own derivative). The unpacking runs under ``jax.checkpoint`` so the
+    linearised program keeps the packed mask, not an unpacked byte mask.
+    """
+
+    @jax.custom_jvp
+    def relu(x):
+        return original(x)
+
+    @relu.defjvp
+    def relu_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        # Named so that bsr_jax.rewrite.lean_graph's policy keeps the packed mask, not x to recompute it.
+        return original(x), jax.checkpoint(_masked_tangent)(checkpoint_name(_pack_mask(x > 0), LEAN_NAME), t)
+
+    @functools.wraps(original)
+    def lean(x):
+        return relu(x)
+
+    return lean
+
+
+_LEAN_ACTIVATIONS: tuple[tuple[Callable[..., jax.Array], Callable[..., jax.Array]], ...] = (
+    (jax.nn.gelu, _checkpointed(jax.nn.gelu)),
+    (jax.nn.silu, _checkpointed(jax.nn.silu)),  # jax.nn.swish is the same function
+    (jax.nn.relu, _bitmask_relu(jax.nn.relu)),
+)
+
+
+# ---- attention ----
+
+_ATTENTION_SIGNATURE = inspect.signature(_dot_product_attention)
+_ATTENTION_ARRAYS = ("query", "key", "value", "bias", "mask", "dropout_rng")
+
+
+@functools.wraps(_dot_product_attention)
+def lean_dot_product_attention(*args, **kwargs):
+    """``flax.linen.dot_product_attention`` keeping q, k, v, bias, mask and the dropout key for the
+    backward pass and recomputing the probabilities there (same arguments, bit-identical output).
+
+    Arrays: query (..., Tq, H, D), key/value (..., Tk, H, D), bias/mask broadcastable to
+    (..., H, Tq, Tk). With ``module`` given (``sow_weights=True``) the weights are meant to be kept,
+    so the call runs unchanged.
+    """
+    bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    if named["module"] is not None:
+        return _dot_product_attention(**named)
+    arrays = {name: named.pop(name) for name in _ATTENTION_ARRAYS}
+    rng = arrays["dropout_rng"]
+    typed_key = rng is not None and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if typed_key:  # kept as its raw uint32 data: residuals stay plain arrays
+        arrays["dropout_rng"] = jax.random.key_data(rng)
+
+    def attend(arrays):
+        if typed_key:
+            arrays = {**arrays, "dropout_rng": jax.random.wrap_key_data(arrays["dropout_rng"], impl=jax.random.key_impl(rng))}
+        return _dot_product_attention(**arrays, **named)
+
+    return jax.checkpoint(attend)(arrays)
+
+
+# ---- norms ----
+
+_local = threading.local()  # .inside: a lean norm's own call is running; .depth: nesting of contexts
+
+
+@contextlib.contextmanager
+def _inside_lean_norm() -> Iterator[None]:
+    previous = getattr(_local, "inside", False)
+    _local.inside = True
+    try:
+        yield
+    finally:
+        _local.inside = previous
+
+
+@contextlib.contextmanager
+def _lean_activation_fields(module: nn.Module) -> Iterator[None]:
+    """Activations held as module attributes (``act: Callable = nn.relu``, as flax's ResNet
+    examples do) were bound when the dataclass was defined, so replacing ``nn.relu`` does not reach
+    them: they are swapped for their lean versions for this call (children built from them, e.g.
+    ``Block(act=self.act)``, get the lean ones)."""
+    lean_of = {id(original): lean for original, lean in _LEAN_ACTIVATIONS}
+    originals = {f.name: vars(module).get(f.name) for f in dataclasses.fields(module)}
+    originals = {name: value for name, value in originals.items() if id(value) in lean_of}
+    for name, value in originals.items():
+        object.__setattr__(module, name, lean_of[id(value)])
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            object.__setattr__(module, name, value)
+
+
+def _linen_interceptor(next_fun, args, kwargs, context):
+    if context.method_name != "__call__" or getattr(_local, "inside", False):
+        return next_fun(*args, **kwargs)
+    with _lean_activation_fields(context.module):
+        return _lean_module_call(next_fun, args, kwargs, context.module)
+
+
+def _lean_module_call(next_fun, args, kwargs, module: nn.Module):
+    if isinstance(module, nn.MultiHeadDotProductAttention) and module.attention_fn is _dot_product_attention:
+        # The default attention_fn was bound when the dataclass was defined, so replacing the
+        # module attribute ``nn.dot_product_attention`` does not reach it: swap it for this call.
+        object.__setattr__(module, "attention_fn", lean_dot_product_attention)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "attention_fn", _dot_product_attention)
+    if isinstance(module, LINEN_NORMS) and not module.is_initializing():
+        arrays, rebuild = _split_arrays((args, kwargs))
+
+        def normalise(lifted_module, *arrays):
+            call_args, call_kwargs = rebuild(list(arrays))
+            with _inside_lean_norm():  # the lifted call reaches this interceptor again
+                return lifted_module(*call_args, **call_kwargs)
+
+        # nn.checkpoint passes the variables explicitly and applies batch_stats updates outside the
+        # transform, so no tracer leaks.
+        return nn.checkpoint(normalise)(module, *arrays)
+    return next_fun(*args, **kwargs)
+
+
+def _nnx_lean_call(original_call: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    @functools.wraps(original_call)
+    def call(self, *args, **kwargs):
+        arrays, rebuild = _split_arrays((args, kwargs))
+
+        def normalise(module, *arrays):
+            call_args, call_kwargs = rebuild(list(arrays))
+            return original_call(module, *call_args, **call_kwargs)
+
+        # nnx.remat carries the module's state in and its updates (BatchNorm statistics) out.
+        return nnx.remat(normalise)(self, *arrays)
+
+    return call
+
+
+# ---- the context ----
+
+def _replacements() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, lean value) for every attribute this context replaces."""
+    lean_of = {id(original): lean for original, lean in _LEAN_ACTIVATIONS}
+    lean_of[id(_dot_product_attention)] = lean_dot_product_attention
+    found = [
+        (namespace, name, lean_of[id(value)])
+        for namespace in NAMESPACES
+        for name, value in vars(namespace).items()
+        if id(value) in lean_of and not name.startswith("_")
+    ]
+    found += [(cls, "__call__", _nnx_lean_call(cls.__call__)) for cls in NNX_NORMS]
+    return found
+
+
+_PATCH = ProcessWidePatch(_replacements)  # found when the first context opens
+
+
+@contextlib.contextmanager
+def lean_neighbours(enabled: bool = True) -> Iterator[None]:
+    """Run norms, activations and attention traced inside this context the lean way (see the
+    module docstring); ``enabled=False`` is a no-op, the off switch. Nested contexts are no-ops.
+
+    Usage: ``with bsr_jax.rewrite.lean.lean_neighbours(): y = model.apply(variables, x)`` inside the loss.
+    """
+    if not enabled or getattr(_local, "depth", 0):
+        yield
+        return
+    with _PATCH.applied():
+        _local.depth = 1
+        try:
+            with nn.intercept_methods(_linen_interceptor):
+                yield
+        finally:
+            _local.depth = 0
