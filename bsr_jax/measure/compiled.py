@@ -8,10 +8,11 @@ step time (XLA:TPU's own cost model on TPU; a per-kernel roofline over the optim
 ``bsr_jax.measure.roofline``) and, with ``breakdown=True``, the buffers live at the peak and the costliest
 kernels, by the op that produced them (module paths come from the ops' names). See docs/memory.md.
 
-Targets (``TARGETS``) need, on a machine without a GPU, jax started without its CUDA platform
-(``JAX_PLATFORMS=cpu``, which importing ``bsr_jax`` before jax sets where the user has not), and
-the ``aot`` extra (``pip install "bsr-jax[aot]"``: jax's CUDA plugin and
-libtpu at jax's version; no CUDA toolkit, driver or TPU needed). Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
+Deviceless targets (``DEVICELESS_TARGETS``, any case) need the ``aot`` extra (``pip install
+"bsr-jax[aot]"``: jax's CUDA plugin and libtpu at jax's version; no CUDA toolkit, driver or TPU
+needed) and, on a machine without a GPU, jax started without its CUDA platform
+(``JAX_PLATFORMS=cpu``, which importing ``bsr_jax`` before jax sets where the user has not); the
+error of a failed start names whichever is missing, the extra first. Not seen by these figures: the allocator's fragmentation and reserved memory, cuDNN/cuBLAS
 workspaces beyond XLA's own scratch, and anything outside the compiled step (input pipeline, host
 copies).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import importlib.util
 import os
 import re
 import tempfile
@@ -41,10 +43,43 @@ DEVICELESS_TARGETS = ("h100", "tpu-v5p")  # compiled for without the device
 TARGETS = ("host", *DEVICELESS_TARGETS)
 
 
-@functools.cache
+# What the ``aot`` extra installs for each deviceless target: any one of these sets is enough.
+_PLUGINS = {"h100": (("jax_cuda12_plugin", "jax_plugins.xla_cuda12"), ("jax_cuda13_plugin", "jax_plugins.xla_cuda13")),
+            "tpu-v5p": (("libtpu",),)}  # fmt: skip
+
+
+def check_target(target: str, allowed: tuple[str, ...] = TARGETS) -> str:
+    """``target`` in lower case (``"H100"`` is ``"h100"``), or a ``ValueError`` naming ``allowed``."""
+    name = target.lower() if isinstance(target, str) else target
+    if name not in allowed:
+        raise ValueError(f"target must be one of {allowed} (any case), got {target!r}")
+    return name
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module stubbed out as None
+        return False
+
+
+def plugin_installed(target: str) -> bool:
+    """Whether the compiler plugin a deviceless ``target`` needs (the ``aot`` extra's jax CUDA
+    plugin, or libtpu) is installed, whether or not jax could start it."""
+    library = os.environ.get("TPU_LIBRARY_PATH")
+    if target == "tpu-v5p" and library and os.path.exists(library):
+        return True
+    return any(all(_installed(m) for m in modules) for modules in _PLUGINS[target])
+
+
 def target_devices(target: str) -> tuple[Any, ...]:
     """Devices of a deviceless ``target`` topology (``"h100"``: 8 GPUs of one host; ``"tpu-v5p"``:
-    a 2x2x1 slice), or the host's own for ``"host"``."""
+    a 2x2x1 slice), or the host's own for ``"host"``; any case."""
+    return _target_devices(check_target(target))
+
+
+@functools.cache
+def _target_devices(target: str) -> tuple[Any, ...]:
     if target == "host":
         return tuple(jax.devices())
     from jax.experimental import topologies
@@ -54,21 +89,23 @@ def target_devices(target: str) -> tuple[Any, ...]:
             with open(H100_CONFIG) as f:
                 config = f.read()
             topo = topologies.get_topology_desc(platform="cuda", topology="1x1x8", target_config=config)
-        elif target == "tpu-v5p":
+        else:
             # Compiling needs no TPU, so several processes (pytest workers) may load libtpu at once.
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
-        else:
-            raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     except (RuntimeError, ImportError) as e:
+        install = 'pip install "bsr-jax[aot]" (jax\'s CUDA plugin and libtpu, at jax\'s version; no GPU, TPU or CUDA toolkit needed)'
         if "lockfile" in str(e):
             hint = "another process holds libtpu (one at a time)"
+        elif not plugin_installed(target):
+            # Checked before the platform setting: without the plugin, no setting helps.
+            hint = f"its compiler plugin ({'jax_cuda12_plugin' if target == 'h100' else 'libtpu'}) is not installed: {install}"
         elif target == "h100" and "cuda" not in jax.devices()[0].platform and not os.environ.get("JAX_PLATFORMS"):
             # Without a GPU, jax's CUDA plugin fails its driver check and registers only when the
             # platforms to start are named (and exclude cuda).
             hint = "set JAX_PLATFORMS=cpu before jax starts (without a GPU the CUDA plugin registers only then)"
         else:
-            hint = 'install the plugins with `pip install "bsr-jax[aot]"` (jax\'s CUDA plugin and libtpu, at jax\'s version)'
+            hint = f"its plugin is installed but did not start; reinstall it at jax's version: {install}"
         raise RuntimeError(f"cannot compile for {target} on this machine: {hint} ({e})") from e
     return tuple(topo.devices)
 
@@ -126,7 +163,9 @@ class CompiledStep:
     """A compiled function's memory plan and cost, in bytes, FLOPs and seconds.
 
     ``peak`` is XLA's own peak (arguments, outputs and temporaries as its heap places them: tile
-    padding and the gaps its packing leaves included); ``flops`` is the compiler's count, or where it
+    padding and the gaps its packing leaves included); on the host, whose XLA:CPU peak counts only
+    arguments and outputs, it is ``CompiledMemory.peak``'s bound (temp + arguments + outputs -
+    aliased) wherever XLA's figure is below ``temp``, so never a peak below the temporaries; ``flops`` is the compiler's count, or where it
     reports none (XLA:GPU) the roofline's count of matmul and convolution FLOPs;
     ``optimal_seconds`` is XLA:TPU's modelled step time (None elsewhere, and where its cost model
     cannot time the program). ``modelled_seconds`` is the step time to compare settings by on the
@@ -210,8 +249,7 @@ def lower_for(
 ) -> jax.stages.Lowered:
     """``fn(*args)`` lowered for ``target``, as ``compile_for`` lowers it: cheap beside compiling,
     and two lowerings with the same ``as_text()`` compile to the same program."""
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    target = check_target(target)
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
@@ -231,9 +269,8 @@ def compile_for(
     """``fn(*args)`` compiled for ``target`` (nothing runs), as ``compiled_memory`` compiles it;
     ``fn`` may be ``lower_for``'s result (then ``args`` are unused). ``options`` are extra XLA
     compile options. Read the program with ``.as_text()``."""
+    target = check_target(target)
     lowered = fn if isinstance(fn, jax.stages.Lowered) else lower_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums)
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     options = (dict(_GPU_OPTIONS) if target == "h100" else {}) | (options or {})
     return lowered.compile(options or None)
 
@@ -254,13 +291,15 @@ def compiled_memory(
       *args: arrays or ``jax.ShapeDtypeStruct``; placed replicated on ``devices`` devices of the
         target unless they carry a ``NamedSharding`` already (build one on ``target_mesh``).
       target: ``"host"`` (this machine's backend), ``"h100"`` (XLA:GPU for an H100 SXM) or
-        ``"tpu-v5p"`` (XLA:TPU).
+        ``"tpu-v5p"`` (XLA:TPU), in any case; the last two need the ``aot`` extra
+        (``pip install "bsr-jax[aot]"``), and a ``RuntimeError`` says so where it is missing.
       devices: devices of the target to place replicated arguments on.
       donate_argnums: arguments whose buffers the step may reuse (params and optimizer state of a
         training step), as ``jax.jit``'s.
       breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
         directory) and the ten costliest kernels of the roofline.
     """
+    target = check_target(target)
     with tempfile.TemporaryDirectory() as dump_dir:
         options = {"xla_dump_to": dump_dir} if breakdown else {}
         compiled = compile_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums, options=options)
@@ -271,10 +310,14 @@ def compiled_memory(
     # XLA:TPU reports a negative time for programs its cost model cannot time.
     optimal = seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None
     modelled = roofline_lib.roofline(compiled.as_text(), target) if target in roofline_lib.HARDWARE else None
+    # XLA's own peak as scheduled where it reports one; else the bound CompiledMemory gives. XLA:CPU's
+    # peak leaves its temporaries out (arguments and outputs only): on the host, the bound instead.
+    peak = int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)) or memory.peak
+    if target == "host" and peak < memory.temp:
+        peak = memory.peak
     return CompiledStep(
         target=target,
-        # XLA's own peak as scheduled where it reports one; else the bound CompiledMemory gives.
-        peak=int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)) or memory.peak,
+        peak=peak,
         **{f.name: getattr(memory, f.name) for f in dataclasses.fields(CompiledMemory)},
         flops=cost.get("flops", modelled.flops if modelled else None),
         optimal_seconds=optimal,

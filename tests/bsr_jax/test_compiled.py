@@ -4,7 +4,10 @@ Compiled ratios are deterministic (same jax, same compiler), so they are asserte
 above the figures measured on the tiny ResMLP at CIFAR shapes (B=128) with the headroom stated."""
 
 import gc
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -131,6 +134,46 @@ def test_bad_targets_are_named():
         bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), target="h100", devices=9)
     with pytest.raises(ValueError, match=r"devices must be an int >= 1, got 0"):
         bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), devices=0)  # the host too
+
+
+def test_targets_are_read_in_any_case():
+    assert bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), target="H100").target == "h100"
+
+
+# A user without the aot extra, jax imported before bsr_jax: the plugins stubbed out of the import
+# system, and JAX_PLATFORMS left to jax (set empty, so that bsr_jax's defaults leave it alone).
+_WITHOUT_PLUGINS = """
+import sys
+for name in ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"):
+    sys.modules[name] = None
+import jax, jax.numpy as jnp
+import bsr_jax
+for target in ("h100", "tpu-v5p"):
+    try:
+        bsr_jax.compiled_memory(jnp.sin, jnp.ones(3), target=target)
+    except RuntimeError as error:
+        print(error)
+"""
+
+
+def test_without_the_aot_extra_the_first_error_says_install_it():
+    """Issue 39: the first error said 'set JAX_PLATFORMS=cpu', and only following it gave the one
+    naming the extra."""
+    # TPU_LIBRARY_PATH too: jax sets it in this process once it has found libtpu.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")} | {"JAX_PLATFORMS": ""}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_PLUGINS], env=env, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout + done.stderr
+    assert all('pip install "bsr-jax[aot]"' in line and "JAX_PLATFORMS" not in line for line in lines), lines
+    assert "jax_cuda12_plugin) is not installed" in lines[0] and "libtpu) is not installed" in lines[1]
+
+
+def test_host_peak_counts_the_temporaries():
+    """XLA:CPU's own peak is arguments and outputs only: 0.5 MiB beside 16 MiB of temporaries here."""
+    step = bsr_jax.compiled_memory(jax.jit(lambda x: jnp.sum(jnp.sin(x @ x.T) @ x)), jax.ShapeDtypeStruct((2048, 64), jnp.float32))
+    assert step.temp >= 2048 * 2048 * 4
+    assert step.peak == step.temp + step.arguments + step.outputs - step.aliased
 
 
 def test_a_breakdown_leaves_no_file_open():
