@@ -9,16 +9,27 @@ from collections.abc import Callable, Sequence
 from train import run_dir
 from train.config import TrainConfig, UsageError, parse, parse_processes
 
+# The end of every training CLI's --help (train.cifar, train.imagenet, train.lm): they exit alike.
+EXIT_CODES = """\
+Exit codes: 0 done (or nothing left to do); 2 the run cannot start or go on as asked: a bad flag,
+data that cannot be found or read, a damaged file in the workdir (a short message on stderr, no
+traceback); 128 + signal number when SIGINT/SIGTERM stopped it: in training after a checkpoint
+(--resume continues it bit for bit), before (JAX starting, the data being prepared) with one line
+on stderr; 1 anything else, with its traceback (a NaN or infinite loss names its step).
+"""
+
+
+def with_exit_codes(description: str) -> str:
+    """``description`` (a CLI's module docstring) followed by ``EXIT_CODES``, for its --help."""
+    return f"{description.rstrip()}\n{EXIT_CODES}"
+
 
 def main(prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str], argv: Sequence[str] | None) -> int:
     """Run one training; returns the process exit code.
 
-    0 when the run finished (or had finished before ``--resume``), 2 with a one-line message on
-    stderr (no traceback) when a flag is invalid or the data cannot be found, read or downloaded,
-    128 + signal number when SIGINT/SIGTERM stopped it: in training after a checkpoint
-    (``--resume`` continues it), before (JAX starting, the data being read) with one line on stderr.
+    ``EXIT_CODES`` says which (and ends ``description`` in --help).
     """
-    config, workdir, overrides = parse(prog, description, defaults, datasets, argv)
+    config, workdir, overrides = parse(prog, with_exit_codes(description), defaults, datasets, argv)
     processes = parse_processes(prog, argv)
     return run_interruptible(prog, workdir, lambda: _run(prog, config, workdir, overrides, processes))
 

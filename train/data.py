@@ -1,7 +1,8 @@
 """Image-classification data: splits as uint8 arrays, and deterministic, resumable batches of them.
 
 `load_split` finds a split in this order (the first hit wins):
-  1. local files under `data_dir` and `data_dir/downloads/manual` (tfds' manual_dir), or, without
+  1. local files under `data_dir` and `data_dir/downloads/manual` (tfds' manual_dir; not for
+     "imagefolder", which tfds does not know, nor is it asked in step 2), or, without
      `data_dir`, under `$TFDS_DATA_DIR/downloads/manual` (default ~/tensorflow_datasets) and
      `<cache_dir>/downloads`: the CIFAR python archives (cifar-10-python.tar.gz,
      cifar-100-python.tar.gz or their extracted directories), the ImageNet tars
@@ -142,7 +143,8 @@ def load_split(
     downloads = os.path.join(cache_root, "downloads")
     source, looked = find_local_source(dataset, data_dir, downloads)
     tfds_dir = os.path.join(os.path.abspath(os.path.expanduser(data_dir or tfds_data_dir())), dataset)
-    has_tfds = importlib.util.find_spec("tensorflow_datasets") is not None
+    # tfds has no "imagefolder" dataset: it is never asked (nor named in the message).
+    has_tfds = dataset != "imagefolder" and importlib.util.find_spec("tensorflow_datasets") is not None
     if source is None and has_tfds and os.path.isdir(tfds_dir):
         cached = _load_tfds(dataset, split, data_dir, image_size, cache_root, looked)
     else:
@@ -154,10 +156,11 @@ def load_split(
                                 f"{CIFAR_ARCHIVES[dataset][1]} from elsewhere, or an image folder; or set ${MIRROR_VAR}.") from None  # fmt: skip
         if source is None:
             reason = f"no {tfds_dir}" if has_tfds else "tensorflow-datasets is not installed"
-            if data_dir is not None and not os.path.isdir(os.path.expanduser(data_dir)):
-                reason = None  # tfds reads directories only: nothing to say about a file or a missing path
+            # tfds reads directories only (nothing to say about a file or a missing path), and never an imagefolder.
+            if dataset == "imagefolder" or (data_dir is not None and not os.path.isdir(os.path.expanduser(data_dir))):
+                reason = None
             raise DataNotFoundError(not_found_message(dataset, split, data_dir, looked, reason, downloadable=dataset in CIFAR_ARCHIVES))
-        cached = _load_local(source, dataset, split, image_size, cache_root)
+        cached = _load_local(source, dataset, split, image_size, cache_root, data_dir)
     num_classes = cached.meta["num_classes"]
     if dataset in NUM_CLASSES and num_classes != NUM_CLASSES[dataset]:
         # Labels would index a head of the wrong size, and the accuracies would not be CIFAR's.
@@ -168,7 +171,7 @@ def load_split(
 
 
 def _load_local(
-    source: Source, dataset: str, split: str, image_size: int | None, cache_root: str
+    source: Source, dataset: str, split: str, image_size: int | None, cache_root: str, data_dir: str | None
 ) -> CachedSplit:
     description = {"dataset": dataset, "image_size": image_size, "source": dataclasses.asdict(source),
                    "files": source.fingerprint()}  # fmt: skip
@@ -195,7 +198,10 @@ def _load_local(
             wanted = f"ImageNet needs {ILSVRC_TARS[split]} there"
         else:
             wanted = f"an image folder needs {' or '.join(d + '/<class>/<image>' for d in SPLIT_DIRS[split])}"
-        raise DataNotFoundError(f"{source.path} ({dataset}) has no '{split}' images: {wanted}, with at least one "
+        passed = data_dir and os.path.abspath(os.path.expanduser(data_dir))
+        # A source found below --data-dir is named with the folder the user passed.
+        where = f"{dataset}, found in --data-dir {data_dir}" if passed and passed != source.path else dataset
+        raise DataNotFoundError(f"{source.path} ({where}) has no '{split}' images: {wanted}, with at least one "
                                 "image. Add them or point --data-dir elsewhere.")  # fmt: skip
     return cached
 

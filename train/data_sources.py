@@ -108,8 +108,9 @@ def find_local_source(dataset: str, data_dir: str | None, downloads: str) -> tup
     else:
         data_dir = os.path.abspath(os.path.expanduser(data_dir))
         # tfds' manual_dir inside it only when it is a directory: a file (an archive of another
-        # name, a typo's path) has no downloads/manual.
-        roots = [data_dir] + ([os.path.join(data_dir, "downloads", "manual")] if os.path.isdir(data_dir) else [])
+        # name, a typo's path) has no downloads/manual; tfds has no "imagefolder" dataset to keep there.
+        manual = os.path.isdir(data_dir) and dataset != "imagefolder"
+        roots = [data_dir] + ([os.path.join(data_dir, "downloads", "manual")] if manual else [])
     looked: list[str] = []
     for root in roots:
         source = _find_in(dataset, root, looked)
@@ -146,7 +147,10 @@ def _find_in(dataset: str, root: str, looked: list[str]) -> Source | None:
         if len(found) > 1:
             names = ", ".join(os.path.basename(p) + "/" for p in found)
             raise DataError(f"{root} holds several image folders ({names}): pass the one to train on as --data-dir")
-        return Source("image_folder", found[0], found[0]) if found else None
+        if not found:  # what was looked for, in the folder the user passed
+            looked[-1] = f"{root} (no train/<class>/<image> in it or in a folder one level below it)"
+            return None
+        return Source("image_folder", found[0], found[0])
     named = [path for path in entries if _named_after(os.path.basename(path), dataset)]
     for path in filter(os.path.isdir, named):
         for sub in filter(_is_image_folder, [path] + [os.path.join(path, n) for n in _listdir(path)]):

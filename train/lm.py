@@ -9,9 +9,6 @@ uses UTF-8 bytes. Layers stack as a Python loop or (--scan) with nn.scan, option
 nn.remat (--remat); every linear layer is compressed through bsr_jax.compress_model;
 --loss-chunk N computes the head and cross-entropy N tokens at a time (bsr_jax.ops.losses: the
 (B, T, V) logits never exist).
-Exit codes: 0 done, 2 a bad flag or unreadable data (one line on stderr), 128 + signal when
-SIGINT/SIGTERM stopped it: in training after a checkpoint (--resume continues it bit for bit),
-outside it (JAX starting, the corpus and tokenizer being prepared) with one line on stderr.
 """
 
 from __future__ import annotations
@@ -25,10 +22,10 @@ PROG = "train.lm"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one training; returns the process exit code (see the module docstring)."""
+    """Run one training; returns the process exit code (``train.cli.EXIT_CODES``)."""
     from train.lm_config import parse
 
-    config, workdir, overrides = parse(PROG, __doc__, argv)
+    config, workdir, overrides = parse(PROG, cli.with_exit_codes(__doc__), argv)
     if config.resume and overrides:
         print(f"{PROG}: resuming {workdir} with its config.json, changing {', '.join(overrides)}")
     return cli.run_interruptible(PROG, workdir, lambda: _run(config, workdir))

@@ -172,6 +172,16 @@ def test_help_keeps_the_descriptions_lines(module):
         assert expected in lines, expected
 
 
+@pytest.mark.parametrize("module", ["train.cifar", "train.imagenet", "train.lm"])
+def test_help_ends_its_description_with_the_exit_codes_all_trainers_share(module):
+    from train.cli import EXIT_CODES
+
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    description = done.stdout[: done.stdout.index("\noptions:")]
+    assert description.endswith("\n" + EXIT_CODES), description
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_data_is_read_stops_with_one_line(signum, cifar_image_folder, tmp_path):
     # One "image" is a FIFO: the reader blocks in it until the test has sent the signal, so the

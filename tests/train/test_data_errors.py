@@ -108,3 +108,28 @@ def test_not_found_message_lists_places_and_remedies(isolated_env):
         data.load_split("cifar100", "test", data_dir=str(isolated_env / "missing"), cache_dir=str(isolated_env / "c"))
     with pytest.raises(data.DataNotFoundError, match=r"ILSVRC2012_img_\{train,val\}\.tar"):
         data.load_split("imagenet2012", "test", cache_dir=str(isolated_env / "c"), image_size=32)
+
+
+def test_imagefolder_not_found_names_only_the_folder_passed_and_what_it_needs(isolated_env, fake_data):
+    # Neither tfds' manual dir below --data-dir nor a tfds folder there: tfds has no imagefolder.
+    empty, elsewhere = isolated_env / "empty", isolated_env / "photos"
+    empty.mkdir()
+    fake_data.write_image_folder(str(elsewhere / "holiday"), {"pictures": _folder(2)["train"]})  # no train/ anywhere
+    for folder in (empty, elsewhere):
+        with pytest.raises(data.DataNotFoundError) as info:
+            data.load_split("imagefolder", "train", data_dir=str(folder), cache_dir=str(isolated_env / "c"))
+        assert str(info.value).splitlines() == [
+            f"No imagefolder 'train' data found in --data-dir {folder}.",
+            f"  Looked in {folder} (no train/<class>/<image> in it or in a folder one level below it).",
+            "  Pass --data-dir an image folder <dir>/{train,test}/<class>/*.jpg, a directory holding one, or its .tar/.tar.gz.",
+        ]
+
+
+def test_an_image_folder_found_below_data_dir_names_the_folder_passed_too(isolated_env, fake_data):
+    fake_data.write_image_folder(str(isolated_env / "data" / "pets"), {"train": _folder(2)["train"]})  # no test/
+    with pytest.raises(data.DataNotFoundError) as info:
+        data.load_split("imagefolder", "test", data_dir=str(isolated_env / "data"), cache_dir=str(isolated_env / "c"))
+    assert str(info.value) == (
+        f"{isolated_env / 'data' / 'pets'} (imagefolder, found in --data-dir {isolated_env / 'data'}) has no 'test' images: "
+        "an image folder needs test/<class>/<image> or val/<class>/<image> or validation/<class>/<image>, with at least "
+        "one image. Add them or point --data-dir elsewhere.")  # fmt: skip
