@@ -59,7 +59,8 @@ HELP = {
           "(per-row scales every 128 values); default exact",
     "memory_budget": "fit the training step into this budget at the least modelled time: bsr_jax.plan chooses per block "
     "among exact, int8/int4 storage, top-k, approximate dx, remat policies and host offload, compiled for --target "
-    "(bytes like 12GiB, or a fraction of the dense step's peak like 0.5); leave --sparsity/--storage-dtype/--dx unset",
+    "(a size with its unit like 12GiB or 800MB, or a fraction of the dense step's peak in (0, 1] like 0.5); "
+    "leave --sparsity/--storage-dtype/--dx unset",
     "target": f"the accelerator --memory-budget plans for, compiled deviceless ({', '.join(PLAN_TARGETS)})",
     "storage_dtype": f"store kept blocks in lower precision ({', '.join(STORAGE_DTYPES)}), dequantized in the backward pass",
     "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",

@@ -49,19 +49,23 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**
 
 
 def parse_budget(budget: int | float | str) -> tuple[str, float]:
-    """``("bytes", n)`` or ``("fraction", f)`` (of the dense step's peak) from ``12 * 2**30``,
-    ``"12GiB"``, ``"800MB"``, ``0.5`` or ``"0.5"``; a ``ValueError`` naming the forms otherwise."""
+    """``("bytes", n)`` or ``("fraction", f)`` (of the dense step's peak).
+
+    An int is bytes (``12 * 2**30``); a float, or a string without a unit, is a fraction in (0, 1]
+    (``0.5``, ``"0.5"``); a string with a unit is bytes (``"12GiB"``, ``"800MB"``, ``"1e9B"``).
+    Anything else is a ``ValueError`` naming the forms: ``"2.0"`` and ``"100"`` are neither
+    fractions nor sizes (bytes say so with a unit)."""
     value, unit = budget, None
     if isinstance(budget, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([a-zA-Z]*)\s*", budget)
         if match is not None and match.group(2).upper() in _UNITS:
             value, unit = float(match.group(1)), match.group(2).upper()
-    if isinstance(value, float) and unit in (None, "") and 0 < value <= 1:
+    if isinstance(value, float) and not unit and 0 < value <= 1:
         return "fraction", value
-    if (isinstance(value, int) or unit is not None) and not isinstance(value, bool) and value * _UNITS[unit or ""] > 1:
+    if (type(value) is int or unit) and value * _UNITS[unit or ""] > 1:
         return "bytes", float(value * _UNITS[unit or ""])
-    raise ValueError("budget must be bytes (int), a size string like '12GiB' or '800MB', or a fraction of the dense "
-                     f"step's peak in (0, 1], got {budget!r}")  # fmt: skip
+    raise ValueError("budget must be bytes (an int, or a string with a unit like '12GiB' or '800MB') or a fraction of the "
+                     f"dense step's peak in (0, 1] (0.5 or '0.5'), got {budget!r}")  # fmt: skip
 
 
 def abstract(tree: Any) -> Any:

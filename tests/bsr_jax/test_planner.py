@@ -85,12 +85,14 @@ def test_bad_remat_and_lean_rules_are_named(kwargs):
 
 
 @pytest.mark.parametrize("budget,expected", [(0.5, ("fraction", 0.5)), ("0.25", ("fraction", 0.25)), ("12GiB", ("bytes", 12 * 2**30)),
-                                             ("800MB", ("bytes", 8e8)), (2**30, ("bytes", 2**30)), ("1e9", ("bytes", 1e9))])  # fmt: skip
+                                             ("800MB", ("bytes", 8e8)), (2**30, ("bytes", 2**30)), ("1e9B", ("bytes", 1e9)),
+                                             ("1", ("fraction", 1.0))])  # fmt: skip
 def test_budget_forms(budget, expected):
     assert planner.parse_budget(budget) == expected
 
 
-@pytest.mark.parametrize("budget", [0, 0.0, 1.5, -3, True, "x", "12 parsecs", "0", None])
+# A number string is a fraction or carries a unit: "2.0", "100" and "1e9" were read as bytes (issue 39).
+@pytest.mark.parametrize("budget", [0, 0.0, 1.5, -3, True, "x", "12 parsecs", "0", None, "1.5", "2.0", "100", "1e9"])
 def test_bad_budgets_are_named(budget):
     with pytest.raises(ValueError, match="budget must be"):
         planner.parse_budget(budget)

@@ -18,7 +18,7 @@ def test_the_plan_chooses_compression_alone(config, flags):
         config(memory_budget="0.5", **flags)
 
 
-@pytest.mark.parametrize("budget", ["lots", "0", "1.5x"])
+@pytest.mark.parametrize("budget", ["lots", "0", "1.5x", "2.0", "100"])
 def test_a_bad_budget_is_a_usage_error_naming_the_flag(budget):
     with pytest.raises(UsageError, match="--memory-budget: budget must be"):
         planning.check_budget(budget, UsageError)
