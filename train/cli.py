@@ -80,7 +80,7 @@ def _run(prog: str, config, workdir: str, overrides: list[str], processes) -> in
     join_processes(processes)  # before anything starts JAX's backends
     try:
         result = train_and_evaluate(config, workdir)
-    except (DataError, UsageError, run_dir.DamagedRecords) as error:
+    except (DataError, UsageError, run_dir.DamagedRecords, run_dir.DamagedConfig) as error:
         return refused(prog, error)
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
 

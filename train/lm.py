@@ -36,11 +36,11 @@ def _run(config, workdir: str) -> int:
     from train.data_sources import DataError
     from train.lm_config import UsageError
     from train.lm_loop import train_and_evaluate
-    from train.run_dir import DamagedRecords
+    from train.run_dir import DamagedConfig, DamagedRecords
 
     try:
         result = train_and_evaluate(config, workdir)
-    except (DataError, UsageError, DamagedRecords) as error:
+    except (DataError, UsageError, DamagedRecords, DamagedConfig) as error:
         return cli.refused(PROG, error)
     return 0 if result["stopped_by"] is None else 128 + result["stopped_by"]
 

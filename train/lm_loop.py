@@ -178,7 +178,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
       FloatingPointError: the loss became NaN or infinite.
     """
     started = time.perf_counter()
-    saved = run_dir.read_saved(workdir)
+    saved = run_dir.read_saved(workdir) if config.resume else None  # a fresh run rewrites config.json, damaged or not
     done = settings.check_workdir(config, workdir, saved, lambda: run_dir.finished_at_step(workdir, config.stop_step))
     if done is not None:
         metrics.say(f"the run in {workdir} already finished at step {done}")

@@ -190,7 +190,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
       FloatingPointError: the loss became NaN or infinite.
     """
     started = time.perf_counter()
-    saved = run_dir.read_saved(workdir)
+    saved = run_dir.read_saved(workdir) if config.resume else None  # a fresh run rewrites config.json, damaged or not
     # Evaluations the run already logged, read by every process before process 0 rewrites the log.
     evaluated = run_dir.evaluated_steps(workdir) if config.resume else set()
     done = settings.check_workdir(config, workdir, saved, lambda: run_dir.finished_at(workdir, config.steps, config.epochs))

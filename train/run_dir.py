@@ -21,12 +21,34 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.join(workdir, "checkpoints")
 
 
+class DamagedConfig(ValueError):
+    """``config.json`` is not what a run writes (cut off, overwritten, edited into invalid JSON); the
+    message names the file, what is wrong and what to do. Nothing is guessed in its place."""
+
+
 def read_saved(workdir: str) -> dict[str, Any] | None:
-    """``config.json`` as written by the run (``{"config": ..., "run": ...}``), or None."""
-    if not os.path.exists(config_path(workdir)):
+    """``config.json`` as written by the run (``{"config": ..., "run": ...}``), or None when there is
+    none; ``DamagedConfig`` when it cannot be read as one."""
+    path = config_path(workdir)
+    if not os.path.exists(path):
         return None
-    with open(config_path(workdir)) as f:
-        return json.load(f)
+    with open(path, "rb") as f:
+        text = f.read()
+    try:
+        saved = json.loads(text.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise DamagedConfig(_damaged(path, f"not UTF-8 text (byte {error.start})")) from None
+    except json.JSONDecodeError as error:
+        what = "empty" if not text.strip() else f"not valid JSON ({error.msg} at line {error.lineno} column {error.colno})"
+        raise DamagedConfig(_damaged(path, what)) from None
+    missing = [key for key in ("config", "run") if not isinstance(saved, dict) or not isinstance(saved.get(key), dict)]
+    if missing:
+        raise DamagedConfig(_damaged(path, f"not a run's config.json (no {' or '.join(repr(k) for k in missing)} object)"))
+    return saved
+
+
+def _damaged(path: str, what: str) -> str:
+    return f"{path} is {what}: repair it, or pass another --workdir to train afresh"
 
 
 def latest_checkpoint_step(workdir: str) -> int | None:

@@ -66,6 +66,9 @@ class Settings:
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise UsageError(f"unknown settings {unknown} (written by another version of {cls.WRITER}?)")
+        for field in dataclasses.fields(cls):  # a damaged value would fail in the checks as a TypeError
+            if field.name in fields and not _json_type_ok(field.type, fields[field.name]):
+                raise UsageError(f"setting {field.name} holds {fields[field.name]!r}, not a {field.type}: repair it, or pass another --workdir")
         if "layer_sparsity" in fields:
             fields = {**fields, "layer_sparsity": tuple(map(tuple, fields["layer_sparsity"]))}
         return cls(**fields)
@@ -78,6 +81,19 @@ class Settings:
             for f in dataclasses.fields(self)
             if f.name not in (*self.RESUME_OVERRIDES, "resume") and getattr(self, f.name) != getattr(saved, f.name)
         ]
+
+
+def _json_type_ok(annotation: str, value: Any) -> bool:
+    """Whether ``value`` read from JSON fits a field annotated ``annotation`` (a string, as the
+    dataclasses here are written: ``int``, ``float | None``, ``Literal[...]``, layer rules)."""
+    if value is None:
+        return annotation.endswith("| None")
+    base = annotation.split(" | ")[0]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base.startswith("tuple"):  # layer rules: [[pattern, value], ...]
+        return isinstance(value, list) and all(
+            isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and _json_type_ok("float", r[1]) for r in value)
+    return {"bool": isinstance(value, bool), "int": number and isinstance(value, int), "float": number}.get(base, isinstance(value, str))
 
 
 class Parser(argparse.ArgumentParser):
@@ -150,7 +166,10 @@ def parse(parser: Parser, defaults: Settings, argv: Sequence[str] | None) -> tup
     workdir = given.pop("workdir")
     given = {n: tuple(v) if n == "layer_sparsity" else v for n, v in given.items()
              if n in names and v is not _NOT_GIVEN and v != []}  # fmt: skip
-    saved = run_dir.read_saved(workdir) if given.get("resume") else None
+    try:
+        saved = run_dir.read_saved(workdir) if given.get("resume") else None
+    except run_dir.DamagedConfig as error:  # the file, not a flag: no "(see --help)"
+        parser.exit(2, f"{parser.prog}: {error}\n")
     if given.get("resume") and saved is None:  # a mistyped --workdir would otherwise train from step 0
         parser.error(f"argument --resume: nothing to resume in {workdir}: it has no config.json; "
                      "pass the --workdir of an earlier run, or drop --resume")  # fmt: skip
@@ -162,8 +181,8 @@ def parse(parser: Parser, defaults: Settings, argv: Sequence[str] | None) -> tup
     except InvalidSetting as error:
         where = f"{run_dir.config_path(workdir)}: " if saved else f"argument {flag(error.field)}: "
         parser.error(where + str(error))
-    except UsageError as error:
-        parser.error(f"{run_dir.config_path(workdir)}: {error}")
+    except UsageError as error:  # the file's content, not a flag: no "(see --help)"
+        parser.exit(2, f"{parser.prog}: {run_dir.config_path(workdir)}: {error}\n")
     conflicts = config.resume_conflicts(saved_config)
     if conflicts:
         parser.error(f"{workdir} was trained with other settings; to resume it, drop {'; '.join(conflicts)}. "

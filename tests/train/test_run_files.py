@@ -108,3 +108,49 @@ def test_resume_of_a_run_damaged_before_its_last_line_is_an_error_naming_it(tmp_
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert ours(done.stderr) == [f"train.cifar: {path}: line 3 is not a JSON record ('garbage'); delete or repair that line"]
+
+
+def _resume(cli: str, workdir) -> int:
+    """``python -m train.cifar|train.lm --resume --workdir WORKDIR`` in this process (the config is
+    read before JAX starts); returns the exit code."""
+    from train import cli as image_cli
+    from train import lm
+    from train.config import CIFAR_DEFAULTS, DATASETS
+
+    argv = ["--resume", "--workdir", str(workdir)]
+    try:
+        return lm.main(argv) if cli == "train.lm" else image_cli.main(cli, "doc", CIFAR_DEFAULTS, DATASETS, argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.mark.parametrize("cli", ["train.cifar", "train.lm"])
+@pytest.mark.parametrize("content, what", [
+    (b'{"config": {"lr": 0.1, "sparsity"', "is not valid JSON (Expecting ':' delimiter at line 1 column 34)"),
+    (b"", "is empty"),
+    (b"\x00\x00\x00\x00", "is not valid JSON (Expecting value at line 1 column 1)"),  # a crash's zero-filled block
+    (b"\xff\xfe{}", "is not UTF-8 text (byte 0)"),
+    (b'{"config": {}}', "is not a run's config.json (no 'run' object)"),
+    (b"[1, 2]", "is not a run's config.json (no 'config' or 'run' object)"),
+])  # fmt: skip
+def test_resume_with_a_damaged_config_json_is_one_line_naming_the_file(tmp_path, capsys, cli, content, what):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_bytes(content)
+    assert _resume(cli, workdir) == 2
+    err = capsys.readouterr().err
+    assert err == f"{cli}: {workdir / 'config.json'} {what}: repair it, or pass another --workdir to train afresh\n"
+
+
+@pytest.mark.parametrize("cli", ["train.cifar", "train.lm"])
+def test_resume_with_a_setting_of_the_wrong_type_names_the_setting(tmp_path, capsys, cli):
+    from train.config import CIFAR_DEFAULTS
+    from train.lm_config import LMConfig
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    fields = {**(LMConfig() if cli == "train.lm" else CIFAR_DEFAULTS).to_json(), "sparsity": "0.7"}  # edited by hand
+    (workdir / "config.json").write_text(json.dumps({"config": fields, "run": {"steps_per_epoch": 5}}))
+    assert _resume(cli, workdir) == 2
+    assert capsys.readouterr().err == (f"{cli}: {workdir / 'config.json'}: setting sparsity holds '0.7', not a float: "
+                                       "repair it, or pass another --workdir\n")  # fmt: skip
