@@ -13,7 +13,7 @@ import sys
 import pytest
 from cli_stderr import ours
 
-from train import run_dir
+from train import plot, run_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDS = [{"kind": "memory", "step": 0, "residual_activation_mib": 1.5}]
@@ -154,3 +154,45 @@ def test_resume_with_a_setting_of_the_wrong_type_names_the_setting(tmp_path, cap
     assert _resume(cli, workdir) == 2
     assert capsys.readouterr().err == (f"{cli}: {workdir / 'config.json'}: setting sparsity holds '0.7', not a float: "
                                        "repair it, or pass another --workdir\n")  # fmt: skip
+
+
+# Records as train.lm writes them (train.lm_loop; train records from train.metrics.train_record):
+# no accuracy in training, validation loss in evaluations, which have no epoch.
+LM_RECORDS = [{"kind": "memory", "step": 0, "per_device_batch": 8, "residual_activation_mib": 0.5}]
+LM_RECORDS += [{"kind": "train", "step": s, "epoch": s / 400, "loss": 5.0 / s, "grad_norm": 1.0, "lr": 1e-3,
+                "step_time_s": 0.1, "tokens_per_s": 1000.0} for s in (10, 20, 30, 40)]  # fmt: skip
+LM_RECORDS += [{"kind": "eval", "step": s, "val_loss": 3.0 / s, "val_perplexity": 2.0, "val_bits_per_byte": 1.5} for s in (20, 40)]
+
+
+def test_plot_draws_train_lm_runs_against_steps(tmp_path):
+    write_run(tmp_path / "lm-dense", lines_of(LM_RECORDS))
+    write_run(tmp_path / "lm-int4", lines_of(LM_RECORDS[:3]))  # stopped before its first evaluation
+    done = plot_cli(str(tmp_path / "lm-dense"), str(tmp_path / "lm-int4"))
+    assert done.returncode == 0 and ours(done.stderr) == [], done.stderr
+    assert done.stdout == f"wrote {tmp_path / 'lm-dense' / 'curves.png'}\n"
+    assert (tmp_path / "lm-dense" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert plot.run_kind(LM_RECORDS) == plot.run_kind(LM_RECORDS[:3]) == "lm" and plot.run_kind(RECORDS) == "image"
+
+
+def test_plot_refuses_image_and_lm_runs_in_one_figure_in_one_line(tmp_path, capsys):
+    write_run(tmp_path / "lm", lines_of(LM_RECORDS))
+    write_run(tmp_path / "cifar", lines_of(RECORDS))
+    assert plot.main([str(tmp_path / "cifar"), str(tmp_path / "lm")]) == 2
+    assert capsys.readouterr().err == (f"train.plot: {tmp_path / 'lm'} is a train.lm run (plotted against steps) and "
+                                       f"{tmp_path / 'cifar'} an image run (against epochs): plot them separately, "
+                                       "each with its own --out\n")  # fmt: skip
+    assert not (tmp_path / "cifar" / "curves.png").exists()
+
+
+@pytest.mark.parametrize("records, what", [
+    (RECORDS[:2] + [{"kind": "eval", "step": 4, "epoch": 1.0, "score": 0.5}],
+     ": its eval records hold neither test_accuracy (train.cifar, train.imagenet) nor val_loss (train.lm): not a run this can plot"),
+    (RECORDS[:2] + [{"kind": "eval", "step": 4, "epoch": 1.0, "test_accuracy": 0.5}],
+     ": the eval record of step 4 has no number 'test_loss': not written by train.cifar, train.imagenet or train.lm?"),
+    (LM_RECORDS[:2] + [{"kind": "eval", "val_loss": 2.0}],
+     ": the eval record of step ? has no number 'step': not written by train.cifar, train.imagenet or train.lm?"),
+])  # fmt: skip
+def test_plot_of_records_it_cannot_draw_is_one_line_naming_the_file(tmp_path, capsys, records, what):
+    path = write_run(tmp_path / "run", lines_of(records))
+    assert plot.main([str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == f"train.plot: {path}{what}\n"
