@@ -333,12 +333,12 @@ def summary(workdir: str, step: int, stop_step: int, stopped_by: int | None, wal
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "best_val_loss": min((r["val_loss"] for r in evals), default=None),
         "tokens_per_s": trains[-1].get("tokens_per_s") if trains else None,
-        "residual_activation_mib": memory["residual_activation_mib"], "dense_residual_activation_mib": memory["dense_residual_activation_mib"],
+        "compiled_peak_mib": memory["compiled_peak_mib"], "residual_activation_mib": memory["residual_activation_mib"],
+        "dense_residual_activation_mib": memory["dense_residual_activation_mib"],
         "checkpoint": os.path.join(run_dir.checkpoint_dir(workdir), str(step)),
     }  # fmt: skip
     status = f"{step} of {stop_step}" + (f", stopped by {signal.Signals(stopped_by).name}: continue with --resume" if stopped_by else "")
     fmt = lambda v: "-" if v is None else f"{v:.4f}"
-    residual, dense = out["residual_activation_mib"], out["dense_residual_activation_mib"]
     metrics.say("\n".join([
         f"run summary ({workdir})",
         f"  steps            {status}",
@@ -346,7 +346,7 @@ def summary(workdir: str, step: int, stop_step: int, stopped_by: int | None, wal
         f"  train loss       {fmt(out['first_train_loss'])} first record, {fmt(out['final_train_loss'])} last",
         f"  validation loss  {fmt(out['final_val_loss'])} final, {fmt(out['best_val_loss'])} best",
         f"  tokens/s         {out['tokens_per_s'] or 0:.0f} (last record)",
-        f"  residual memory  {residual:.2f} MiB per device, {residual / dense:.0%} of dense ({dense:.2f} MiB)",
+        *metrics.memory_summary(memory),
         f"  checkpoint       {out['checkpoint']}",
     ]))  # fmt: skip
     return out

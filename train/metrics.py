@@ -176,6 +176,19 @@ def train_record(interval: list[dict], timer: StepTimer, step: int, steps_per_ep
     return record
 
 
+def memory_summary(memory: dict[str, Any]) -> list[str]:
+    """The run summary's memory lines, from the memory record: the compiled step's peak, the memory
+    figure of a device (as XLA plans the step on this backend), then the residual bytes the backward
+    keeps, a count of the jaxpr that a device's memory need not follow (a compressed step's peak
+    can stay near dense's while its residuals halve), so it is labelled as such."""
+    residual, dense = memory["residual_activation_mib"], memory["dense_residual_activation_mib"]
+    return [
+        f"  compiled peak    {memory['compiled_peak_mib']:.2f} MiB per device: XLA's memory plan of the train step ({jax.default_backend()})",
+        f"  residuals        {residual:.2f} MiB per device kept for the backward, {residual / dense:.0%} of dense's "
+        "(counted in the jaxpr, not device memory)",
+    ]
+
+
 def run_summary(
     workdir: str,
     records: list[dict[str, Any]],
@@ -189,8 +202,9 @@ def run_summary(
     """What a finished or stopped run achieved, from its ``metrics.jsonl`` records; printed as a block.
 
     Returns ``{"step", "stop_step", "stopped_by", "wall_time_s", "final_test_accuracy",
-    "best_test_accuracy", "best_epoch", "residual_activation_mib", "dense_residual_activation_mib",
-    "checkpoint", "plot_command"}``; the accuracies are None when no evaluation ran.
+    "best_test_accuracy", "best_epoch", "compiled_peak_mib", "residual_activation_mib",
+    "dense_residual_activation_mib", "checkpoint", "plot_command"}``; the accuracies are None when no
+    evaluation ran. The printed block shows the memory as ``memory_summary`` says.
     """
     evals = [r for r in records if r.get("kind") == "eval"]
     memory = [r for r in records if r.get("kind") == "memory"][-1]
@@ -203,6 +217,7 @@ def run_summary(
         "final_test_accuracy": evals[-1]["test_accuracy"] if evals else None,
         "best_test_accuracy": best["test_accuracy"] if best else None,
         "best_epoch": best["epoch"] if best else None,
+        "compiled_peak_mib": memory["compiled_peak_mib"],
         "residual_activation_mib": memory["residual_activation_mib"],
         "dense_residual_activation_mib": memory["dense_residual_activation_mib"],
         "checkpoint": checkpoint,
@@ -215,13 +230,12 @@ def run_summary(
     if evals:
         accuracy = (f"{summary['final_test_accuracy']:.4f} final, {summary['best_test_accuracy']:.4f} best "
                     f"(epoch {best['epoch']:.3g})")  # fmt: skip
-    residual, dense = summary["residual_activation_mib"], summary["dense_residual_activation_mib"]
     say("\n".join([
         f"run summary ({workdir})",
         f"  steps            {status}",
         f"  wall time        {wall_time_s:.0f} s (this session, data loading and compilation included)",
         f"  test accuracy    {accuracy}",
-        f"  residual memory  {residual:.2f} MiB per device, {residual / dense:.0%} of dense ({dense:.2f} MiB)",
+        *memory_summary(memory),
         f"  checkpoint       {checkpoint}",
         f"  plot             {summary['plot_command']}  (writes {os.path.join(workdir, 'curves.png')})",
     ]))  # fmt: skip

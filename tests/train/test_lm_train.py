@@ -90,6 +90,23 @@ def test_resume_is_bit_identical_with_compressed_scanned_remat_layers(cache, com
     assert train_and_evaluate(dataclasses.replace(config, resume=True), str(parts))["summary"] is None
 
 
+def test_the_summary_shows_the_compiled_peak_and_labels_the_residuals(tmp_path, capsys):
+    from train import lm_loop
+
+    memory = {"kind": "memory", "step": 0, "per_device_batch": 8, "residual_activation_mib": 1.27,
+              "dense_residual_activation_mib": 2.5, "compiled_peak_mib": 30.5, "compiled_temp_mib": 12.0}  # fmt: skip
+    train = {"kind": "train", "step": 20, "epoch": 0.01, "loss": 4.5, "tokens_per_s": 1000.0}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (memory, train)))
+    out = lm_loop.summary(str(tmp_path), 20, 20, None, 3.0)
+    assert out["compiled_peak_mib"] == 30.5 and out["residual_activation_mib"] == 1.27
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[6:8] == [
+        "  compiled peak    30.50 MiB per device: XLA's memory plan of the train step (cpu)",
+        "  residuals        1.27 MiB per device kept for the backward, 51% of dense's (counted in the jaxpr, not device memory)",
+    ]
+    assert not any("residual memory" in line for line in lines)
+
+
 def jax_leaves(tree):
     import jax
 
