@@ -4,12 +4,12 @@ Each row is one model and one setting: the whole step (loss, grad, optax adamw; 
 state donated) compiled by XLA's GPU or TPU compiler on this machine (``bsr_jax.compiled_memory``),
 with its peak, its modelled step time (XLA:TPU's own model on TPU, ``bsr_jax.measure.roofline`` on H100,
 and the roofline on both), each as a ratio to the dense step on the same target, FLOPs, the five
-largest modules live at the peak and the ten costliest kernels; and one figure per model of peak
-vs modelled time with the Pareto front (docs/results/plane-MODEL.png). Results are appended to the JSON as they come, and
+largest modules live at the peak and the ten costliest kernels (the plane of every model and target is drawn from this JSON by
+``benchmarks/plane.py``). Results are appended to the JSON as they come, and
 rows already there are skipped, so an interrupted run resumes.
 
     python -m benchmarks.compiled_memory --models resmlp-s12 vit-b16 --targets h100 tpu-v5p
-    python -m benchmarks.compiled_memory --table-only       # print the table (and plots) of the JSON
+    python -m benchmarks.compiled_memory --table-only       # print the table of the JSON
 
 Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``topk-all``
 (ResMLP only: s0.7/16 on the Affine/LayerScale inputs too, ``--prune-scale-shift``); ``topk-wide``
@@ -228,56 +228,6 @@ def plane_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
-    """The points no other point beats on both peak and time (lower is better), by peak."""
-    front, best_time = [], float("inf")
-    for p in sorted(points):
-        if p[1] < best_time:
-            front.append(p)
-            best_time = p[1]
-    return front
-
-
-def plot(rows: list[dict], out_dir: str) -> list[str]:
-    """One figure per model: peak vs modelled time, each as a fraction of dense's on its target,
-    both targets, the Pareto front of each target drawn through its points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dense = {(r["model"], r["target"]): r for r in rows if r["setting"] == "dense"}
-    written = []
-    for name in sorted({r["model"] for r in rows}):
-        fig, ax = plt.subplots(figsize=(7, 5))
-        drawn = False
-        for target, color in zip(DEVICELESS_TARGETS, ("tab:green", "tab:blue")):
-            d = dense.get((name, target))
-            points = [(r["peak_mib"] / d["peak_mib"], r["modelled_seconds"] / d["modelled_seconds"], r["setting"])
-                      for r in rows if d and r["model"] == name and r["target"] == target and r.get("modelled_seconds")]
-            if not points:
-                continue
-            drawn = True
-            ax.scatter([p[0] for p in points], [p[1] for p in points], color=color, label=target, s=18)
-            for x, y, label in points:
-                ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=color)
-            front = pareto(points)
-            ax.plot([p[0] for p in front], [p[1] for p in front], color=color, lw=1, ls="--")
-        if not drawn:
-            plt.close(fig)
-            continue
-        ax.set_xlabel("compiled peak / dense peak")
-        ax.set_ylabel("modelled step time / dense (H100: roofline; TPU v5p: XLA)")
-        ax.set_title(f"{name}: full adamw step, deviceless (dashed: Pareto front)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        path = os.path.join(out_dir, f"plane-{name}.png")
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
@@ -286,7 +236,6 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
     parser.add_argument("--remeasure", action="store_true", help="measure the chosen rows again even where --out has them")
-    parser.add_argument("--plots", default="docs/results", help="where the peak-vs-time figure of each model goes")
     args = parser.parse_args(argv)
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
     if not args.table_only:
@@ -312,8 +261,6 @@ def main(argv=None) -> None:
     print(table(saved["runs"]))
     print()
     print(plane_table(saved["runs"]))
-    for path in plot(saved["runs"], args.plots):
-        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
