@@ -46,6 +46,7 @@ class TrainConfig(Settings):
     dim: int | None = None  # overrides the preset's width
     depth: int | None = None  # overrides the preset's number of blocks
     dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False  # nn.remat per ResMLP block (train.models.create_model says what a block keeps)
     # Block-sparse residuals.
     sparsity: float = 0.0
     block: int = 16
@@ -100,8 +101,9 @@ class TrainConfig(Settings):
             "dx": (self.dx in (None, *DX_FORMATS), f"None or one of {DX_FORMATS}"),
             "memory_budget": (
                 self.memory_budget is None
-                or not (self.sparsity or self.storage_dtype or self.dx or self.stochastic or self.layer_sparsity or self.compression),
-                "None, or without --sparsity/--storage-dtype/--dx/--stochastic/--layer-sparsity/--compression (the plan chooses them)",
+                or not (self.sparsity or self.storage_dtype or self.dx or self.stochastic or self.layer_sparsity or self.compression
+                        or self.remat),
+                "None, or without --sparsity/--storage-dtype/--dx/--stochastic/--layer-sparsity/--compression/--remat (the plan chooses them)",
             ),
             "target": (self.target in PLAN_TARGETS, f"one of {PLAN_TARGETS}"),
             "rounding": (

@@ -231,6 +231,9 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
     pruning = config_pruning(config, level)
     dense, plain = dense_def(pruning, backend=config.backend), dense_def(backend=config.backend)
     affine, layerscale = scale_shift_defs(pruning) if config.prune_scale_shift else scale_shift_defs()
+    # Plain remat keeps a block's input alone: compressed residuals would be recomputed, never kept,
+    # so a compressing run keeps them (and the matmul outputs) through bsr_jax's policy.
+    compressing = dense_counterpart(config) != dataclasses.replace(config, remat=False)
     return ResMLP(
         num_classes=num_classes,
         patch_size=config.patch_size,
@@ -241,6 +244,8 @@ def create_model(config: TrainConfig, num_classes: int, level: float = 1.0) -> R
         layerscale=layerscale,
         dtype=dtype,
         dx=config.dx,
+        remat=config.remat,
+        remat_policy=bsr_jax.remat_policy() if config.remat and compressing else None,
         **preset,
     )
 
@@ -269,5 +274,6 @@ def _folded(paths: list[str]) -> str:
 
 
 def dense_counterpart(config: TrainConfig) -> TrainConfig:
-    """``config`` with nothing pruned or compressed: the baseline its residual memory is compared to."""
-    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, rounding="nearest", stochastic=False, compression=None, dx=None)
+    """``config`` with nothing pruned, compressed or recomputed: the baseline its residual memory is compared to."""
+    return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, rounding="nearest", stochastic=False,
+                               compression=None, dx=None, remat=False)  # fmt: skip

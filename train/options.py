@@ -16,7 +16,7 @@ RESMLP_MODELS = ("tiny", "s12", "s24", "b24")
 RESNET_MODELS = ("resnet18", "resnet50")  # train.resnet.PRESETS
 MODELS = RESMLP_MODELS + RESNET_MODELS
 # ResMLP-only settings: a ResNet run must leave them at their defaults.
-RESMLP_ONLY = ("depth", "sparse_stem", "sparse_head", "prune_scale_shift", "layer_sparsity", "dx")
+RESMLP_ONLY = ("depth", "sparse_stem", "sparse_head", "prune_scale_shift", "layer_sparsity", "dx", "remat")
 # --compression: window side of bsr_jax.Pooling on every ResNet convolution's input.
 POOLING_FACTORS = {"pool2": 2, "pool4": 4}
 COMPRESSIONS = tuple(POOLING_FACTORS)
@@ -46,6 +46,10 @@ HELP = {
     "dim": "override the preset's channels per token (ResNet: filters of the stem and first stage, default 64)",
     "depth": "override the preset's number of blocks (ResMLP)",
     "dtype": "computation dtype (params and optimizer state stay float32)",
+    "remat": "ResMLP only: recompute each block in the backward pass (nn.remat per block). Alone, a block keeps only its "
+    "input (the least memory, one more forward); with compression (--sparsity, --storage-dtype, --stochastic, "
+    "--layer-sparsity, --dx) it keeps its compressed residuals and matmul outputs and recomputes the elementwise ops "
+    "(bsr_jax.remat_policy())",
     "sparsity": "fraction of activation blocks dropped from the weight-gradient residuals (0 = dense); "
     "ResNet: every convolution's input as (N*H*W, C) blocks",
     "block": "square block side of the pruning",

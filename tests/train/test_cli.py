@@ -119,6 +119,9 @@ def test_pruning_extension_flags():
         (["--model", "resnet18", "--compression", "pool2", "--sparsity", "0.5"], "without --sparsity/--stochastic"),
         (["--model", "resnet50", "--depth", "3"], "argument --depth: depth applies to ResMLP models only, got 3 with model resnet50"),
         (["--model", "resnet18", "--layer-sparsity", "*=0.5"], "argument --layer-sparsity: layer_sparsity applies to ResMLP"),
+        (["--model", "resnet18", "--remat"], "argument --remat: remat applies to ResMLP models only, got on with model resnet18"),
+        (["--remat", "--memory-budget", "0.5"], "argument --memory-budget: memory_budget must be None, or without "
+         "--sparsity/--storage-dtype/--dx/--stochastic/--layer-sparsity/--compression/--remat (the plan chooses them)"),
     ],
 )
 def test_bad_pruning_extension_flags(flags, message, capsys):
@@ -139,6 +142,20 @@ def test_bad_flag_values_exit_with_one_line_naming_the_flag(capsys):
             config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, flags)
         assert exit_info.value.code == 2
         assert capsys.readouterr().err.splitlines() == [message]
+
+
+def test_remat_flag_reaches_the_blocks_with_the_policy_that_keeps_compressed_residuals():
+    import bsr_jax
+    from train.models import create_model, dense_counterpart
+
+    parse = lambda *flags: config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, list(flags))[0]  # noqa: E731
+    assert parse().remat is False and parse("--remat").remat is True
+    plain, compressed = create_model(parse("--remat"), 10), create_model(parse("--remat", "--storage-dtype", "int4"), 10)
+    assert (plain.remat, plain.remat_policy) == (True, None)  # a block keeps its input alone
+    # Compressed residuals are kept, not recomputed (the policy is a new closure each call: compare what it saves).
+    assert compressed.remat and compressed.remat_policy is not None
+    assert compressed.remat_policy.__code__ is bsr_jax.remat_policy().__code__
+    assert create_model(parse(), 10).remat is False and dense_counterpart(parse("--remat")).remat is False
 
 
 def _saved_run(workdir, **fields) -> TrainConfig:
@@ -318,6 +335,19 @@ def test_plot_draws_several_runs_into_the_first_workdir(smoke_run, tmp_path):
     out = first / "curves.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert plot.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")]) == 2
+
+
+def test_remat_smoke_run_trains_a_step_keeping_less_than_dense(cifar_image_folder, tmp_path):
+    workdir = tmp_path / "run"
+    flags = ["--data-dir", str(cifar_image_folder), "--cache-dir", str(cifar_image_folder / "cache"), "--workdir", str(workdir),
+             "--batch-size", "8", "--eval-batch-size", "12", "--dim", "16", "--depth", "2", "--remat", "--steps", "1"]  # fmt: skip
+    done = run_cli("train.cifar", *flags, home=cifar_image_folder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((workdir / "config.json").read_text())["config"]["remat"] is True
+    memory, train, evaluation = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert train["step"] == 1 and np.isfinite(train["loss"]) and evaluation["kind"] == "eval"
+    # Two blocks keep their inputs alone: far less than the plain model's activations.
+    assert memory["residual_activation_mib"] < 0.5 * memory["dense_residual_activation_mib"]
 
 
 def test_resnet_compression_flags():
