@@ -62,7 +62,7 @@ HELP = {
     "dx": f"approximate input gradients: store the GELU input, which GELU's exact backward needs, in one of {', '.join(DX_FORMATS)} "
           "(per-row scales every 128 values); default exact",
     "memory_budget": "fit the training step into this budget at the least modelled time: bsr_jax.plan chooses per block "
-    "among exact, int8/int4 storage, top-k, approximate dx, remat policies and host offload, compiled for --target "
+    "among its exact options (lean neighbours, remat policies, host offload; gradients unchanged), compiled for --target "
     "(a size with its unit like 12GiB or 800MB, or a fraction of the dense step's peak in (0, 1] like 0.5); "
     "leave --sparsity/--storage-dtype/--dx unset",
     "target": f"the accelerator --memory-budget plans for, compiled deviceless ({', '.join(PLAN_TARGETS)})",

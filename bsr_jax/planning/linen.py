@@ -94,12 +94,20 @@ class Linen:
     name = "flax.linen"
     unavailable: Mapping[str, str] = {}
     rest_unavailable: Mapping[str, str] = {}
+    loss_args = ("module", "variables")
+    loss_example = "def loss_fn(module, variables, x, y): return optax.softmax_cross_entropy_with_integer_labels(module.apply(variables, x), y).mean()"
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., jax.Array], batch: Sequence[Any], variables: Any,
                  init_args: Sequence[Any] | None):  # fmt: skip
         if variables is None:
             args = abstract(tuple(init_args) if init_args is not None else batch[:1])
-            variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)))
+            zeros = jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), args)
+            try:
+                variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *zeros))
+            except TypeError as error:  # a __call__ that needs more than the batch's first array (train=)
+                raise TypeError(f"plan: the default {type(model).__name__}.init(key, {'*init_args' if init_args is not None else 'example_batch[0]'}) "
+                                f"failed ({error}); pass variables= (your model's initialised variables, arrays or "
+                                "jax.eval_shape(lambda: model.init(key, x, train=False)) shapes)") from error  # fmt: skip
         self.model, self.loss_fn, self.state = model, loss_fn, abstract(variables)
         self.params = self.state["params"]
         traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(self.state, *batch)

@@ -102,6 +102,8 @@ class Nnx:
     name = "flax.nnx"
     unavailable = LINEN_ONLY
     rest_unavailable = REST_LINEN_ONLY
+    loss_args = ("model",)
+    loss_example = "def loss_fn(model, x, y): return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()"
 
     def __init__(self, model: nnx.Module, loss_fn: Callable[..., jax.Array], batch: Sequence[Any], variables: Any,
                  init_args: Sequence[Any] | None):  # fmt: skip

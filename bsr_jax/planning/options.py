@@ -20,31 +20,39 @@ LOSS = "(loss)"  # the choices' key for the loss where plan(loss_chunk=) chose t
 class Option:
     """What one block does: its layers' compression (``None``: exact dW), lean neighbours, an
     approximate-dx format, or a remat policy (``remat=True``: the whole block under
-    ``jax.checkpoint(policy=policy)``, ``policy=None`` keeping nothing)."""
+    ``jax.checkpoint(policy=policy)``, ``policy=None`` keeping nothing). ``approximation``: what
+    the option changes in the gradients and its documented error (``None``: exact)."""
 
     compression: Pruning | None = None
     lean: bool = True
     dx: str | None = None
     remat: bool = False
     policy: Callable[..., bool] | None = None
-    exact: bool = True
+    approximation: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Whether the gradients are plain autodiff's (up to float reassociation)."""
+        return self.approximation is None
 
 
 _INT4 = Pruning(0.0, block=16, storage_dtype="int4")
+# The errors are relative Frobenius errors against plain autodiff, measured on small models.
+_DW_INT4 = "dW from int4 inputs, error 0.04-0.23 (docs/RESULTS.md 3b)"
 OPTIONS: Mapping[str, Option] = {
     "keep": Option(lean=False),
     "lean": Option(),
-    "int8": Option(Pruning(0.0, block=16, storage_dtype="int8"), exact=False),
-    "int4": Option(_INT4, exact=False),
-    "int4-dx8": Option(_INT4, dx="int8", exact=False),
-    "topk": Option(Pruning(0.7, block=16), exact=False),
+    "int8": Option(Pruning(0.0, block=16, storage_dtype="int8"), approximation="dW from int8 inputs, error 0.002-0.013 (docs/RESULTS.md 3b)"),
+    "int4": Option(_INT4, approximation=_DW_INT4),
+    "int4-dx8": Option(_INT4, dx="int8", approximation=f"{_DW_INT4}; dx from int8 inputs, error up to 0.014 (docs/memory.md 1.2)"),
+    "topk": Option(Pruning(0.7, block=16), approximation="dW from the top 30% of blocks, biased: 55% of its norm lost (docs/RESULTS.md 3)"),
     "remat": Option(remat=True),
     "remat-dots": Option(remat=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     "remat-dots-all": Option(remat=True, policy=jax.checkpoint_policies.dots_saveable),
     "remat-offload": Option(remat=True, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
 }
 EXACT = tuple(name for name, option in OPTIONS.items() if option.exact)
-REST_OPTIONS = ("keep", "lean", "int4")
+REST_OPTIONS = ("keep", "lean", "int4")  # OPTIONS' names, for everything outside the blocks
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 

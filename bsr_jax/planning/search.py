@@ -2,28 +2,32 @@
 
 ``plan(model, loss_fn, *example_batch, optimizer=..., budget=..., target="h100")`` chooses, for
 each repeated block of a linen model (``MixerBlock_0..11``, ``encoderblock_i``, a ``nn.scan``'s
-layer), one of ``OPTIONS`` (keep, lean neighbours, int8/int4 storage, int4 with approximate dx,
-top-k, remat of the block under JAX's policies, host offload), and one for the rest of the model
-(keep, lean, int4), the combination with the least modelled step time
+layer), one of ``OPTIONS`` (keep, lean neighbours, remat of the block under JAX's policies, host
+offload; opted in: int8/int4 storage, int4 with approximate dx, top-k), and one for the rest of
+the model (keep, lean; opted in: int4), the combination with the least modelled step time
 (``CompiledStep.modelled_seconds``) whose compiled peak fits ``budget``; it compiles what it
 returns. Everything it measures is a full step: loss, gradient, optimizer update, parameters and
 optimizer state donated, compiled deviceless for ``target`` (``bsr_jax.compiled_memory``).
 
 How it searches, in compiles (each cached by its choices):
 
-1. the dense step (the budget's reference and the baseline), then every option on every block
-   at once (``uniform``): the peak and time each option adds per block, assuming blocks alike;
-2. the rest of the model lean or int4, with the blocks at the option of least peak;
-3. the linear model of those deltas ranks every assignment that mixes at most two options over
+1. the dense step (the budget's reference and the baseline): where it fits, it is the plan; where
+   the step's arguments alone (parameters, optimizer state, batch) exceed the budget, nothing fits;
+2. remat on every block (the least any option keeps) with each choice for the rest and the loss:
+   where none of them fits, nothing else does, and the search stops there;
+3. every option on every block at once (``uniform``): the peak and time each option adds per
+   block, assuming blocks alike;
+4. the linear model of those deltas ranks every assignment that mixes at most two options over
    the blocks (the more compressing one on the first blocks, whose residuals live longest) with
    each choice for the rest: with one budget, the best of a linear model needs no more than two
    options per block kind. The best predicted assignments are compiled in order until
    ``verify`` of them were compiled; the fastest compiled one within budget is returned.
 
 Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
-uncompiled: a plan's peak and time are those of its own compiled step. Approximate options
-(``int8``/``int4`` dW, ``int4-dx8`` dx, ``topk``) change gradients within the bounds documented in
-docs/memory.md; ``options=EXACT`` restricts the search to exact ones.
+uncompiled: a plan's peak and time are those of its own compiled step. Only exact options are
+searched unless asked for: approximate ones (``int8``/``int4`` dW, ``int4-dx8`` dx, ``topk``, a rest
+of ``int4``) change gradients within the bounds documented in docs/memory.md and docs/RESULTS.md
+(``Option.approximation``), and join with ``approximate=True`` or by name in ``options=``.
 
 Linen models' blocks and candidates are ``bsr_jax.planning.linen``'s; ``flax.nnx`` models
 (``bsr_jax.planning.nnx``) take the same search over blocks found in their
@@ -37,7 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import itertools
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -48,7 +54,7 @@ import optax
 from flax import nnx
 
 from bsr_jax.planning import nnx as planner_nnx
-from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, compiled_memory, lower_for
+from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, check_target, compiled_memory, lower_for
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
@@ -69,6 +75,12 @@ class Measured:
         blocks = [name for path, name in self.choices.items() if path not in (REST, LOSS)]
         return _label(blocks, self.choices[REST]) + (", chunked loss" if LOSS in self.choices else "")
 
+    @property
+    def approximations(self) -> dict[str, str]:
+        """The approximate options among the choices -> their documented error (empty: exact)."""
+        names = [name for path, name in self.choices.items() if path != LOSS]
+        return {name: OPTIONS[name].approximation for name in dict.fromkeys(names) if not OPTIONS[name].exact}
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -78,8 +90,10 @@ class Plan:
     ``bsr_jax.chunked_head_loss`` of it where ``plan(loss_chunk=)`` chose that); ``choices``: block
     path -> option name (``OPTIONS``), ``REST`` -> the rest's, ``LOSS`` -> ``"chunked"`` where the
     loss is chunked; ``peak``/``modelled_seconds``: its compiled step on
-    ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy);
-    ``tried``: every candidate compiled, in order."""
+    ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy;
+    ``None`` where the dense step fits and nothing else was compiled); ``tried``: every candidate
+    compiled, in order. Its ``str`` is a table marking every approximate choice with its
+    documented error."""
 
     model: nn.Module | nnx.Module
     loss_fn: Callable[..., jax.Array]
@@ -89,7 +103,7 @@ class Plan:
     budget: int
     target: str
     dense: Measured
-    remat: Measured
+    remat: Measured | None
     tried: tuple[Measured, ...]
     compiled: CompiledStep = dataclasses.field(repr=False)
 
@@ -105,13 +119,15 @@ class Plan:
                  f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
                  f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",
                  f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
-                 f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)",
+                 f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)" if self.remat else
+                 "  remat per block: not compiled (the dense step fits)",
                  "  per block:"]  # fmt: skip
+        note = lambda name: "" if OPTIONS[name].exact else f"  approximate: {OPTIONS[name].approximation}"  # noqa: E731
         blocks = [(path, name) for path, name in self.choices.items() if path not in (REST, LOSS)]
         for key, group in itertools.groupby(blocks, key=lambda kv: kv[1]):
             paths = [p for p, _ in group]
-            lines.append(f"    {paths[0] if len(paths) == 1 else paths[0] + ' .. ' + paths[-1]:<40} {key}")
-        lines.append(f"    {'everything else':<40} {self.choices[REST]}")
+            lines.append(f"    {paths[0] if len(paths) == 1 else paths[0] + ' .. ' + paths[-1]:<40} {key}{note(key)}")
+        lines.append(f"    {'everything else':<40} {self.choices[REST]}{note(self.choices[REST])}")
         if LOSS in self.choices:
             lines.append(f"    {'the loss':<40} chunked (use plan.loss_fn)")
         return "\n".join(lines)
@@ -124,6 +140,8 @@ class Family(Protocol):
     ``step(state, opt_state, *batch) -> (state, opt_state, loss)`` of that module."""
 
     name: str  # the kind, for messages: "flax.linen"
+    loss_args: tuple[str, ...]  # what loss_fn takes before the batch: ("module", "variables")
+    loss_example: str  # a loss of that form, for messages
     unavailable: Mapping[str, str]  # block options this kind cannot take -> why
     rest_unavailable: Mapping[str, str]  # the same for the rest
     blocks: tuple[str, ...]  # the repeated blocks' paths
@@ -135,45 +153,79 @@ class Family(Protocol):
     def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]: ...
 
 class _Search:
-    """Compiles candidates (cached by their choices) and remembers them in order."""
+    """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
 
     def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache):
         self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+        self.lowered: dict[tuple, tuple[str, Any]] = {}  # choices -> (the lowered program's hash, lowered)
         self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
         # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
         leaves, structure = jax.tree.flatten((family.state, batch))
         self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves))
+        # Every candidate holds its arguments at once: a floor under any compiled peak. Leaves
+        # without a plain dtype (PRNG keys) count nothing, which keeps it a floor.
+        arguments = jax.tree.leaves((family.state, self.opt_state, batch))
+        self.argument_bytes = sum(math.prod(a.shape) * getattr(a.dtype, "itemsize", 0) for a in arguments if hasattr(a, "shape"))
+
+    def program(self, choices: Sequence[str], rest: str, loss: str = "plain") -> str:
+        """The hash of the candidate's lowered step: lowering is cheap, compiling is not."""
+        key = (tuple(choices), rest, loss)
+        if key not in self.lowered:
+            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss])
+            lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
+        return self.lowered[key][0]
 
     def measure(self, choices: Sequence[str], rest: str, loss: str = "plain") -> Measured:
         key = (tuple(choices), rest, loss)
         if key not in self.cache and (self.scope, *key) in self.shared:
             self.cache[key] = self.shared[(self.scope, *key)]
         if key not in self.cache:
-            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss])
-            lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            program = self.program(*key)
             # Different choices can make the same program (dots_saveable where no product has batch
-            # axes is dots_with_no_batch_dims_saveable): lowering is cheap, compiling is not.
-            program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+            # axes is dots_with_no_batch_dims_saveable): compiled once.
             same = self.programs.get(program)
-            compiled = same[1] if same else compiled_memory(lowered, target=self.target)
+            compiled = same[1] if same else compiled_memory(self.lowered[key][1], target=self.target)
             choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
             measured = Measured(choices_by_path, compiled.peak, compiled.modelled_seconds)
             self.programs.setdefault(program, (measured.label, compiled))
             self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
             if self.progress:
-                print(f"[plan] {len(self.cache):>3} {'same as ' + same[0] if same else 'compiled'}: {measured.label:<44} "
-                      f"{compiled.peak / 2**20:>10,.0f} MiB {compiled.modelled_seconds * 1e3:>9.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
+                # What varies in length goes last, so that every row keeps the columns.
+                how = "same program as " + same[0] if same else "compiled"
+                approximate = "; approximate: " + "; ".join(measured.approximations.values()) if measured.approximations else ""
+                print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
+                      f"{compiled.modelled_seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
         return self.cache[key][0]
 
+    def smallest(self, allowed: Callable[[tuple], bool] = lambda key: True) -> Measured:
+        return min((m for key, (m, _) in self.cache.items() if allowed(key)), key=lambda m: m.peak)
 
-def _available(argument: str, given: Sequence[str] | None, known: Sequence[str], family: type) -> tuple[str, ...]:
-    """``given`` checked against ``known`` and what ``family`` cannot take; ``None``: all it can."""
+
+def _check_loss(loss_fn: Callable[..., jax.Array], family: type, batch: Sequence[Any]) -> None:
+    """A ``TypeError`` showing the form ``plan`` calls ``loss_fn`` in, where its signature cannot
+    take that call (``loss(params, x, y)``, JAX's usual form, failed deep inside the trace)."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # no signature to read (some C callables): the call itself will say what is wrong
+    try:
+        signature.bind(*family.loss_args, *batch)
+    except TypeError as error:
+        call = f"loss_fn({', '.join(family.loss_args)}, *batch)"
+        raise TypeError(f"plan calls {call} with each candidate ({len(batch)} batch argument(s) here), but loss_fn{signature} "
+                        f"cannot take that ({error}); write it as, e.g., {family.loss_example}") from None  # fmt: skip
+
+
+def _available(argument: str, given: Sequence[str] | None, known: Sequence[str], family: type, approximate: bool) -> tuple[str, ...]:
+    """``given`` checked against ``known`` and what ``family`` cannot take; ``None``: all it can
+    that are exact, or with ``approximate`` all it can."""
     unavailable = family.unavailable if argument == "options" else family.rest_unavailable
     if given is None:
-        return tuple(o for o in known if o not in unavailable)
+        return tuple(o for o in known if o not in unavailable and (approximate or OPTIONS[o].exact))
     unknown = [o for o in given if o not in known]
     if unknown:
         raise ValueError(f"{argument} {unknown} unknown; choose from {tuple(known)}")
@@ -190,7 +242,7 @@ def _label(choices: Sequence[str], rest: str) -> str:
 
 def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
          budget: int | float | str, target: str = "h100", options: Sequence[str] | None = None,
-         rest_options: Sequence[str] | None = None, verify: int = 3,
+         rest_options: Sequence[str] | None = None, approximate: bool = False, verify: int = 3,
          variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
          cache: dict | None = None, loss_chunk: int | None = None) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
@@ -202,20 +254,27 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         module (it applies ``module``; mutable collections such as ``batch_stats`` are the caller's to
         handle). NNX: ``loss_fn(model, *batch) -> scalar``, called with each candidate model holding
         the step's state (as ``nnx.value_and_grad(loss_fn)(model, *batch)``); gradients are taken
-        with respect to its ``nnx.Param``s.
+        with respect to its ``nnx.Param``s. A signature that cannot take that call, or a loss that
+        applies a module of its own, is an error before anything compiles.
       example_batch: arrays or ``jax.ShapeDtypeStruct``s of one training batch.
       optimizer: the optax transformation of the step (its state counts toward the peak).
-      budget: bytes (int), a size string (``"12GiB"``, ``"800MB"``) or a fraction in (0, 1] of the
-        dense step's compiled peak on ``target``.
-      target: ``"h100"`` or ``"tpu-v5p"`` (deviceless; see ``bsr_jax.compiled_memory``).
-      options: names from ``OPTIONS`` the blocks may take (``EXACT``: only exact ones); ``"keep"``
-        is always included. Default: all the model's kind can take (NNX: not ``"lean"`` nor
-        ``"int4-dx8"``, which need linen's rules by path; naming them is a ``ValueError``).
+      budget: bytes (an int, or a string with a unit: ``"12GiB"``, ``"800MB"``) or a fraction in
+        (0, 1] of the dense step's compiled peak on ``target`` (a float, or a string without a
+        unit: ``0.5``, ``"0.5"``); ``"2.0"`` or ``"100"`` is an error (``parse_budget``).
+      target: ``"h100"`` or ``"tpu-v5p"``, any case (deviceless, with the ``aot`` extra: see
+        ``bsr_jax.compiled_memory``).
+      options: names from ``OPTIONS`` the blocks may take; ``"keep"`` is always included. Default:
+        the exact ones (``EXACT``) the model's kind can take (NNX: not ``"lean"``, which needs
+        linen's rules by path; naming it is a ``ValueError``). Naming approximate ones here opts in
+        to them.
       rest_options: what everything outside the blocks may take (``REST_OPTIONS``; NNX: not
-        ``"lean"``); ``"keep"`` is always included.
+        ``"lean"``); ``"keep"`` is always included. Default: the exact ones (``int4`` is not).
+      approximate: with the default ``options``/``rest_options``, also search the approximate ones
+        (int8/int4 storage, top-k, approximate dx: gradients change within docs/memory.md's bounds).
       verify: how many mixed assignments, best predicted first, are compiled.
       variables: (linen) the model's variables (arrays or ``ShapeDtypeStruct``s); default: the
-        abstract ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``.
+        abstract ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``
+        (a model whose ``__call__`` needs more, such as ``train=``, needs ``variables``).
         An NNX model carries its own state (arrays, or ``ShapeDtypeStruct``s from ``nnx.eval_shape``).
       progress: one line on stderr per compile.
       cache: a dict of compiled candidates to read and fill, shared between calls with the same
@@ -229,47 +288,72 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
 
     Returns:
       a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
-      (NNX: a new model holding a copy of ``model``'s state).
+      (NNX: a new model holding a copy of ``model``'s state). Where the dense step fits the budget
+      it is the plan, after one compile (every option trades time for memory).
 
     Raises:
       ValueError: bad ``budget``/``target``/``options``, a model with no repeated blocks (or, NNX,
-        blocks stacked for ``nnx.scan``), or no candidate within budget (the message names the
-        smallest compiled peak and its choices).
+        blocks stacked for ``nnx.scan``), a ``loss_fn`` that never applies the module it is given,
+        or no candidate within budget (the message names the smallest compiled peak and its
+        choices; where remat on every block, the least any option keeps, does not fit, or the
+        step's arguments alone exceed the budget, nothing more is compiled).
+      TypeError: a ``loss_fn`` whose signature cannot take the call above, or (linen) a default
+        ``model.init`` that fails (pass ``variables=``).
     """
     kind, amount = parse_budget(budget)
-    if target not in DEVICELESS_TARGETS:
-        raise ValueError(f"target must be one of {DEVICELESS_TARGETS}, got {target!r}")
+    target = check_target(target, DEVICELESS_TARGETS)
     if not isinstance(verify, int) or verify < 0:
         raise ValueError(f"verify must be an int >= 0, got {verify!r}")
     if not isinstance(model, (nn.Module, nnx.Module)):
         raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
     family_type = Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
-    options = _available("options", options, tuple(OPTIONS), family_type)
-    rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type)
+    options = _available("options", options, tuple(OPTIONS), family_type, approximate)
+    rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type, approximate)
     if loss_chunk is not None:
         check_chunk(loss_chunk, "loss_chunk")
-    loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
     batch = abstract(example_batch)
+    _check_loss(loss_fn, family_type, batch)
+    loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
     family: Family = family_type(model, loss_fn, batch, variables, init_args)
     search = _Search(family, loss_fns, batch, optimizer, target, progress, cache)
     blocks = family.blocks
     n = len(blocks)
     if progress:
-        print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}", file=sys.stderr)
+        left_out = [o for o in OPTIONS if not OPTIONS[o].exact and o not in options and o not in family_type.unavailable]
+        print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}"
+              + (f" (approximate ones left out: approximate=True adds {left_out})" if left_out else ""), file=sys.stderr)  # fmt: skip
+    if (search.scope, ("keep",) * n, "keep", "plain") not in search.shared and search.program(["keep"] * n, "keep") == search.program(["remat"] * n, "keep"):
+        # Remat on every block always changes the step's program: unless the loss ignores its module.
+        raise ValueError(f"plan: loss_fn never applies the module it is given (remat on every block lowered to the dense step's "
+                         f"program): apply its first argument, e.g. {family.loss_example}")  # fmt: skip
     dense = search.measure(["keep"] * n, "keep")
     limit = amount * dense.peak if kind == "fraction" else amount
+
+    def infeasible(best: Measured, why: str = "") -> ValueError:
+        return ValueError(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
+                          f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with {best.label}{why}")  # fmt: skip
+
+    if dense.peak <= limit:
+        return _plan(family, search, loss_fns, (("keep",) * n, "keep", "plain"), limit, target, dense, None)
+    if search.argument_bytes > limit:
+        raise infeasible(dense, f"; the step's arguments alone (parameters, optimizer state, batch) take {search.argument_bytes / 2**20:,.0f} MiB")
     names = list(dict.fromkeys(["keep", *options]))
-    uniform = {name: search.measure([name] * n, "keep") for name in names}
+    # Remat on every block keeps only the blocks' inputs, the least of any option (docs/RESULTS.md
+    # 12: the smallest peak on every model and target measured): with the rest's and the loss's
+    # choices, it is the floor of the search, and where it does not fit nothing else is compiled.
     remat = search.measure(["remat"] * n, "keep")
-    smallest = min(names, key=lambda name: uniform[name].peak)
+    uniform = {"remat": remat}
 
     def delta(rest: str, loss: str) -> tuple[int, float]:
-        """What the rest's or the loss's choice adds, measured with every block at ``smallest``."""
-        m, base = search.measure([smallest] * n, rest, loss), uniform[smallest]
-        return m.peak - base.peak, m.seconds - base.seconds
+        """What the rest's or the loss's choice adds, measured with every block at remat."""
+        m = search.measure(["remat"] * n, rest, loss)
+        return m.peak - remat.peak, m.seconds - remat.seconds
 
     rest_delta = {"keep": (0, 0.0)} | {rest: delta(rest, "plain") for rest in dict.fromkeys(rest_options) if rest != "keep"}
     loss_delta = {"plain": (0, 0.0)} | ({"chunked": delta("keep", "chunked")} if "chunked" in loss_fns else {})
+    if remat.peak + min(p for p, _ in rest_delta.values()) + min(p for p, _ in loss_delta.values()) > limit:
+        raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
+    uniform |= {name: search.measure([name] * n, "keep") for name in names}
 
     def predicted(choices: tuple[str, ...], rest: str, loss: str) -> tuple[float, float]:
         peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + rest_delta[rest][0] + loss_delta[loss][0]
@@ -295,11 +379,13 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta and key[2] in loss_delta  # noqa: E731  (remat's figure is always compiled)
     fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]
     if not fitting:
-        best = min((m for key, (m, _) in search.cache.items() if allowed(key)), key=lambda m: m.peak)
-        raise ValueError(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
-                         f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with {best.label}")  # fmt: skip
-    _, (choices, rest, loss) = min(fitting)
-    chosen, compiled = search.cache[(choices, rest, loss)]
+        raise infeasible(search.smallest(allowed))
+    return _plan(family, search, loss_fns, min(fitting)[1], limit, target, dense, remat)
+
+
+def _plan(family: Family, search: _Search, loss_fns: Mapping[str, Callable[..., jax.Array]], key: tuple, limit: float, target: str,
+          dense: Measured, remat: Measured | None) -> Plan:  # fmt: skip
+    (chosen, compiled), (choices, rest, loss) = search.cache[key], key
     return Plan(model=family.assemble(choices, rest), loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
 
