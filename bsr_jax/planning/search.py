@@ -338,8 +338,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if search.argument_bytes > limit:
         raise infeasible(dense, f"; the step's arguments alone (parameters, optimizer state, batch) take {search.argument_bytes / 2**20:,.0f} MiB")
     names = list(dict.fromkeys(["keep", *options]))
-    # Remat on every block keeps only the blocks' inputs, the least of any option (docs/RESULTS.md
-    # 12: the smallest peak on every model and target measured): with the rest's and the loss's
+    # Remat on every block keeps only the blocks' inputs, the least of any option (no option
+    # had a smaller peak on any model or target of docs/RESULTS.md 10.1): with the rest's and the loss's
     # choices, it is the floor of the search, and where it does not fit nothing else is compiled.
     remat = search.measure(["remat"] * n, "keep")
     uniform = {"remat": remat}
