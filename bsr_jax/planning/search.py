@@ -118,9 +118,9 @@ class Plan:
                  f"  chosen: {mib(self.peak)} ({self.peak / self.dense.peak:.2f}x), {self.modelled_seconds * 1e3:.2f} ms "
                  f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
                  f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",
-                 f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
-                 f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)" if self.remat else
-                 "  remat per block: not compiled (the dense step fits)",
+                 (f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
+                  f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)" if self.remat else
+                  "  remat per block: not compiled (the dense step fits)"),
                  "  per block:"]  # fmt: skip
         note = lambda name: "" if OPTIONS[name].exact else f"  approximate: {OPTIONS[name].approximation}"  # noqa: E731
         blocks = [(path, name) for path, name in self.choices.items() if path not in (REST, LOSS)]
