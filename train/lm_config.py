@@ -201,7 +201,8 @@ HELP = {
     "checkpoint_every": "steps between checkpoints (one is also written at the end and on SIGINT/SIGTERM)",
     "keep_checkpoints": "checkpoints kept in WORKDIR/checkpoints",
     "resume": "continue the run in --workdir from its last checkpoint with its config.json (same data order, "
-    "bit-for-bit); other flags must match it, except " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OVERRIDES),
+    "bit-for-bit; a damaged newest checkpoint is moved to WORKDIR/damaged_checkpoints and the newest intact one "
+    "used, with a note); other flags must match it, except " + ", ".join("--" + n.replace("_", "-") for n in RESUME_OVERRIDES),
 }
 
 _CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "dtype": DTYPES, "criterion": CRITERIA, "selection": SELECTIONS,

@@ -226,7 +226,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     state = jax.jit(init, out_shardings=sharding.replicated(mesh))()
     checkpoints = Checkpoints(run_dir.checkpoint_dir(workdir), config.keep_checkpoints)
     if config.resume and checkpoints.latest_step() is not None:
-        state = checkpoints.restore(state)
+        state = checkpoints.restore_newest_intact(state, metrics.say)
     start_step, stop_step = int(state["step"]), config.stop_step
     sharding.sync_processes("read the workdir")
     log = metrics.MetricsLog(workdir, keep_until_step=start_step if config.resume else None)

@@ -245,7 +245,7 @@ def train_and_evaluate(config: TrainConfig, workdir: str) -> dict[str, Any]:
     loss_fn = loss_function(model, train_data.num_classes, config.label_smoothing, config.layer_sparsity)
     state = create_state(model, tx, image_shape, config.seed, mesh)
     if config.resume and checkpoints.latest_step() is not None:
-        state = checkpoints.restore(state)
+        state = checkpoints.restore_newest_intact(state, metrics.say)
     start_step = int(state["step"])
     sharding.sync_processes("read the workdir")  # before process 0 rewrites metrics.jsonl and config.json
     log = metrics.MetricsLog(workdir, keep_until_step=start_step if config.resume else None)

@@ -3,6 +3,7 @@
 * ``config.json``: ``{"config": TrainConfig fields, "run": facts such as steps_per_epoch}``,
   written by ``train.loop`` when a run starts;
 * ``checkpoints/<step>/``: Orbax checkpoints, one directory per step, named by the step number;
+* ``damaged_checkpoints/<step>/``: checkpoints ``--resume`` found damaged and set aside (``train.checkpoint``);
 * ``metrics.jsonl``: one JSON record per line (``train.metrics``).
 """
 
