@@ -76,7 +76,7 @@ def cited_paths(text: str) -> set[str]:
 
 def _exists(page: str, path: str) -> bool:
     """Relative to the page or the repository root; a bare file name anywhere in the repository
-    (``cifar_grid.py`` after ``benchmarks/cifar_grid.py`` was named)."""
+    (``cifar_grid.py`` after ``benchmarks/accuracy/cifar_grid.py`` was named)."""
     here = os.path.dirname(os.path.join(ROOT, page))
     if any(os.path.exists(os.path.join(base, path)) for base in (here, ROOT)):
         return True

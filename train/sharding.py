@@ -32,7 +32,7 @@ records) is agreed by all processes, since a collective that only some of them e
 
 Why the loop keeps its own ``shard_map`` rather than ``jax.jit`` over batch-sharded arrays with
 the library's per-op ``bsr_jax.core.sharding.map_row_shards``. Measured on 4 host devices (this
-module's Auto-axis mesh, the loop's loss, one gradient; ``python -m benchmarks.loop_vs_jit``): for
+module's Auto-axis mesh, the loop's loss, one gradient; ``python -m benchmarks.speed.loop_vs_jit``): for
 ResMLP (tiny, sparsity 0.7) a plain ``jit`` gives the same gradients as the ``shard_map``
 (difference 0, no all-gather), since each op then ranks its own row shard too; for ResNet-18
 (width 8, sparsity 0) it does not (loss 1.5743 vs 1.5108, gradient entries apart by up to 0.89

@@ -1,8 +1,8 @@
-"""The Pareto study's gaps (benchmarks/pareto.py): same-seed differences, not differences of means."""
+"""The Pareto study's gaps (benchmarks/accuracy/pareto.py): same-seed differences, not differences of means."""
 
 import pytest
 
-from benchmarks import pareto
+from benchmarks.accuracy import pareto
 
 
 def _row(config, curves, memory=1.0):

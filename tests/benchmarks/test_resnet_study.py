@@ -1,8 +1,9 @@
-"""The ResNet accuracy study's table (benchmarks/resnet_study.py) on fake run directories."""
+"""The ResNet accuracy study's table (benchmarks/accuracy/resnet_study.py) on fake run directories."""
 
 import json
 
-from benchmarks import cifar_grid, resnet_study
+from benchmarks.accuracy import cifar_grid
+from benchmarks.accuracy import resnet_study
 
 
 def _write_run(root, name, memory, evals, epochs=3):

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bsr_jax
-from benchmarks.compiled_memory import step_args
+from benchmarks.memory.compiled_memory import step_args
 from bsr_jax.measure.compiled import compile_for, target_mesh
 from tests import third_party_models as tpm
 from train import models

@@ -173,7 +173,7 @@ def test_inputs_the_backward_does_not_read_are_not_kept():
 # reassociation; and what the backward keeps of the module is its input(s) in int8 codes.
 
 # docs/memory.md, "Approximate dx": the bound on any gradient's relative error, per kind and format
-# (benchmarks/dx_error.py and these modules measured at most about half of each).
+# (benchmarks/accuracy/dx_error.py and these modules measured at most about half of each).
 DX_BOUND = {"norm": {"int8": 0.02, "int4": 0.25}, "swiglu": {"int8": 0.02, "int4": 0.25}, "attention": {"int8": 0.05, "int4": 0.6}}
 
 

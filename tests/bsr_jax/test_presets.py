@@ -27,7 +27,7 @@ def test_measured_settings_are_the_studys_numbers():
 
 
 def test_peaks_are_the_compiled_benchmarks_numbers():
-    """presets.MEASURED's compiled peaks are benchmarks/compiled_memory.py's ResMLP-S12 rows."""
+    """presets.MEASURED's compiled peaks are benchmarks/memory/compiled_memory.py's ResMLP-S12 rows."""
     rows = {(r["setting"], r["target"]): r for r in json.loads(COMPILED.read_text())["runs"] if r["model"] == "resmlp-s12"}
     for m in presets.MEASURED:
         for target in presets.TARGETS:

@@ -1,7 +1,8 @@
-"""benchmarks.kernels' per-path rows and the CPU facts every benchmark records (benchmarks.run_info)."""
+"""benchmarks.kernels.dw_speed' per-path rows and the CPU facts every benchmark records (benchmarks.run_info)."""
 
 import cpu_kernels
-from benchmarks import kernels, run_info
+from benchmarks.kernels import dw_speed as kernels
+from benchmarks import run_info
 
 
 def test_layer_rows_name_the_kernel_path_that_ran(monkeypatch):

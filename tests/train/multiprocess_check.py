@@ -13,7 +13,7 @@ single-device computations of its own (on its first device):
    both processes (``bsr_jax.core.sharding``, no train/ code): y and dx exact, dW the sum over the 4 row
    shards of single-device ones.
 The whole CLI run (data, optimizer steps, evaluation, checkpoints) against 1 process x 4 devices
-is test_multiprocess.py's slow test and benchmarks/multiprocess.py.
+is test_multiprocess.py's slow test and benchmarks/speed/multiprocess.py.
 """
 
 import sys

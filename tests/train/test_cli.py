@@ -172,7 +172,7 @@ def test_resume_uses_the_runs_config_json(tmp_path, capsys):
     parse = lambda *flags: config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, ["--workdir", str(workdir), "--resume", *flags])  # noqa: E731
     # No flags repeated: the run's settings, not the defaults.
     assert parse() == (dataclasses.replace(saved, resume=True), str(workdir), [])
-    # Flags equal to config.json (as benchmarks/cifar_grid.py passes them) are fine.
+    # Flags equal to config.json (as benchmarks/accuracy/cifar_grid.py passes them) are fine.
     same = ["--model", "tiny", "--epochs", "10", "--seed", "0", "--sparsity", "0.70", "--data-dir", "../data.tar.gz",
             "--layer-sparsity", "*/fc2=0.9"]  # fmt: skip
     assert parse(*same)[0] == dataclasses.replace(saved, resume=True)

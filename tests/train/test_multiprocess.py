@@ -1,7 +1,7 @@
 """``python -m train.cifar`` over 2 processes x 2 host devices (``jax.distributed`` on localhost)
 computes what 1 process x 4 devices does; process 0 alone prints and writes the logs.
 
-The tolerances are benchmarks/multiprocess.py's: the two layouts prune the same per-device shards,
+The tolerances are benchmarks/speed/multiprocess.py's: the two layouts prune the same per-device shards,
 and only the order in which the gradient all-reduce sums the devices' parts differs (float32).
 """
 
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import chex
 import pytest
 
-from benchmarks.multiprocess import LOSS_TOLERANCE, STATE_TOLERANCE, TINY_RUN, final_state, free_port, launch, step_records
+from benchmarks.speed.multiprocess import LOSS_TOLERANCE, STATE_TOLERANCE, TINY_RUN, final_state, free_port, launch, step_records
 from tests import host_devices
 from train import config as config_lib
 from train.config import CIFAR_DEFAULTS, Processes

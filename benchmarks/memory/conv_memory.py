@@ -16,8 +16,10 @@ ReLU a 1-bit mask). Reported per row:
   parameters and batch included), and its change against dense: the figure closest to the
   companion paper's measured peak (-29% on ResNet, GPU), which is printed beside it.
 
-    python benchmarks/conv_memory.py                      # both models, table + JSON
-    python benchmarks/conv_memory.py --models resnet18-cifar
+    python -m benchmarks.memory.conv_memory                      # both models, table + JSON
+    python -m benchmarks.memory.conv_memory --models resnet18-cifar
+
+Writes docs/RESULTS.md section 8.
 """
 
 from __future__ import annotations
@@ -38,10 +40,7 @@ from bsr_jax.rewrite.lean import lean_neighbours
 from bsr_jax.measure.memory import MIB
 from train.resnet import ResNet18, ResNet50, conv_def
 
-if __package__:  # python -m benchmarks.conv_memory
-    from benchmarks.run_info import run_metadata, write_json
-else:  # python benchmarks/conv_memory.py: this file's directory is sys.path[0]
-    from run_info import run_metadata, write_json
+from benchmarks.run_info import run_metadata, write_json
 
 PAPER_PEAK_REDUCTION = 0.29  # Barley & Fröning 2024, abstract: ResNet peak memory, pooling
 

@@ -9,15 +9,15 @@ gradient differs at all: kernels, tied embeddings; not biases), the relative Fro
 the unmodified model is reported, with the spread over layers (min / median / max). Everything else
 (biases, norm scales, dx) is exact.
 
-    python -m benchmarks.storage_error            # table on stdout, JSON in benchmarks/results/
+    python -m benchmarks.accuracy.storage_error            # table on stdout, JSON in benchmarks/results/
+
+Writes docs/RESULTS.md section 3b.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import jax
 import numpy as np
@@ -25,8 +25,7 @@ import numpy as np
 from benchmarks.run_info import run_metadata, write_json
 from bsr_jax import Pruning, Rule, compress_model
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import third_party_models as tpm  # noqa: E402
+from tests import third_party_models as tpm  # noqa: E402
 
 STORAGE = ("int8", "int4")
 

@@ -15,9 +15,11 @@ block 16, after its forward) against dense ``x @ w``'s vjp, and dW alone against
 the ResMLP-S12 fc1 and fc2 shapes; and dW from int8 / int4 blocks with every block kept (sparsity
 0). Each row names the kernel path its compiled code calls (read from the lowered program).
 
-    python benchmarks/kernels.py                     # CPU: xla and cpu (pallas needs a GPU)
-    python benchmarks/kernels.py --shapes cifar-fc1 cifar-fc2 --blocks 16 64 --sparsities 0.7 --reps 5
-    python -m benchmarks.kernels --suite layer --isas avx2 avx512 --reps 21
+    python -m benchmarks.kernels.dw_speed                     # CPU: xla and cpu (pallas needs a GPU)
+    python -m benchmarks.kernels.dw_speed --shapes cifar-fc1 cifar-fc2 --blocks 16 64 --sparsities 0.7 --reps 5
+    python -m benchmarks.kernels.dw_speed --suite layer --isas avx2 avx512 --reps 21
+
+Writes docs/RESULTS.md sections 4 and 4.0.
 """
 
 from __future__ import annotations
@@ -37,10 +39,7 @@ from bsr_jax import bsr_linear
 from bsr_jax.backends import dispatch as backends
 from bsr_jax.storage.format import from_dense
 
-if __package__:  # python -m benchmarks.kernels
-    from benchmarks.run_info import footer, run_metadata, write_json
-else:  # python benchmarks/kernels.py: this file's directory is sys.path[0]
-    from run_info import footer, run_metadata, write_json
+from benchmarks.run_info import footer, run_metadata, write_json
 
 # name -> (M, K, N): x (M, K), dy (M, N). ResMLP-S12, dim 384, MLP 1536.
 SHAPES = {

@@ -1,6 +1,6 @@
 """Accuracy at memory: the long-run CIFAR-10 study as a Pareto front (issue 15).
 
-Reads the finished runs under ROOT (``benchmarks/cifar_grid.py --root ROOT --epochs 10``), and for
+Reads the finished runs under ROOT (``benchmarks/accuracy/cifar_grid.py --root ROOT --epochs 10``), and for
 each configuration reports the final test accuracy (mean over seeds; "seed spread": max minus min
 of the seeds' final accuracies), the accuracy at epoch 3 and
 the gap to dense at epochs 3 and at the end (dense minus it for each seed both were run with,
@@ -12,7 +12,9 @@ and the gradient-step time of each run's model and flags against dense's (``--st
 each, timed alternately in this process: the runs' own images/s shared the CPU at varying load).
 Writes ``OUT/pareto.md``, ``OUT/pareto.json`` and ``OUT/pareto.png``.
 
-    python -m benchmarks.pareto runs/long docs/results
+    python -m benchmarks.accuracy.pareto runs/long docs/results
+
+Writes docs/RESULTS.md section 9 and docs/results/pareto.md.
 """
 
 from __future__ import annotations
@@ -36,12 +38,8 @@ import bsr_jax  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.loop import create_model, loss_function  # noqa: E402
 
-if __package__:
-    from benchmarks.grid_report import summarise
-    from benchmarks.run_info import alternating_time_ratios
-else:  # run as a script
-    from grid_report import summarise
-    from run_info import alternating_time_ratios
+from benchmarks.accuracy.grid_report import summarise
+from benchmarks.run_info import alternating_time_ratios
 
 MIB = 2**20
 
@@ -187,7 +185,7 @@ def main(root: str, out: str, step_reps: int = 10) -> list[dict]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help="the study's runs (benchmarks/cifar_grid.py --root)")
+    parser.add_argument("root", help="the study's runs (benchmarks/accuracy/cifar_grid.py --root)")
     parser.add_argument("out", help="where pareto.md, pareto.json and pareto.png go")
     parser.add_argument("--step-reps", type=int, default=10,
                         help="alternating timed gradient steps per configuration, 0 to skip (default: %(default)s)")  # fmt: skip

@@ -16,7 +16,9 @@ parameters apart) and its ratio to dense; the grad step's FLOPs (XLA cost analys
 ``reference`` backend so a pruned dW counts as a dense one) and their ratio to dense; the median
 per-step time ratio to dense (each strategy timed alternately with dense in the same run).
 
-    python -m benchmarks.models                        # table + benchmarks/results/models.json
+    python -m benchmarks.memory.models                        # table + benchmarks/results/models.json
+
+Writes docs/RESULTS.md section 7.
 """
 
 from __future__ import annotations
@@ -34,10 +36,7 @@ import bsr_jax
 from bsr_jax import Pruning, Rule, compress_model
 from tests import third_party_models as tpm
 
-if __package__:
-    from benchmarks.run_info import alternating_time_ratios, run_metadata, write_json
-else:  # run as a script
-    from run_info import alternating_time_ratios, run_metadata, write_json
+from benchmarks.run_info import alternating_time_ratios, run_metadata, write_json
 
 MIB = 2**20
 BLOCK_CLASSES = {"mixer": "MixerBlock", "vit": "Encoder1DBlock", "lm": "EncoderDecoder1DBlock"}

@@ -10,7 +10,9 @@ roofline's modelled time (``bsr_jax.measure.roofline`` with the H100's figures) 
 default program run: 3 warm-up steps and the median of ``--reps`` timed steps (each waited for),
 and the allocator's peak.
 
-    python -m benchmarks.device_check --models resmlp-s12 lm-12x768 --settings dense remat int4 --json out.json
+    python -m benchmarks.memory.device_check --models resmlp-s12 lm-12x768 --settings dense remat int4 --json out.json
+
+Writes docs/RESULTS.md section 13.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def one(model_name: str, setting: str, reps: int) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from benchmarks.compiled_memory import MODELS, step_args
+    from benchmarks.memory.compiled_memory import MODELS, step_args
     from bsr_jax.measure import compiled as compiled_lib
     from bsr_jax.measure import roofline
 
@@ -89,11 +91,11 @@ def main() -> None:
         print("ROW " + json.dumps(one(*args.one, args.reps)), flush=True)
         return
     rows = []
-    # benchmarks.compiled_memory defaults jax to the CPU (it compiles deviceless): start the GPU.
+    # benchmarks.memory.compiled_memory defaults jax to the CPU (it compiles deviceless): start the GPU.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cuda"))
     for model in args.models:
         for setting in args.settings:
-            cmd = [sys.executable, "-m", "benchmarks.device_check", "--one", model, setting, "--reps", str(args.reps)]
+            cmd = [sys.executable, "-m", "benchmarks.memory.device_check", "--one", model, setting, "--reps", str(args.reps)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
             row = json.loads(found[0]) if found else dict(model=model, setting=setting, error=done.stderr[-2000:])

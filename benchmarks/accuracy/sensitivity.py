@@ -14,7 +14,9 @@ biases, shifts and all input gradients are exact):
 * ``s0.7 stochastic``: one draw of unbiased magnitude-proportional sampling, and the mean of
   ``--draws`` draws (its error shrinks towards 0 as draws grow if the estimate is unbiased).
 
-    python -m benchmarks.sensitivity --run runs/cifar_grid/dense-seed0 --data-dir ../shared/data/cifar10-jpg.tar.gz
+    python -m benchmarks.accuracy.sensitivity --run runs/cifar_grid/dense-seed0 --data-dir ../shared/data/cifar10-jpg.tar.gz
+
+Writes docs/RESULTS.md section 3.
 """
 
 from __future__ import annotations

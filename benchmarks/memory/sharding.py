@@ -1,6 +1,6 @@
 """Sharded jit on 4 host devices: per-device memory of dense vs block-pruned grad steps, and gathers.
 
-    python -m benchmarks.sharding [MLP] [ResMLP-S12] [ResNet-18]   # sets --xla_force_host_platform_device_count=4 itself
+    python -m benchmarks.memory.sharding [MLP] [ResMLP-S12] [ResNet-18]   # sets --xla_force_host_platform_device_count=4 itself
 
 Models: the issue's 2-layer MLP of ``bsr_jax.Dense`` (x (256, 64, 256)); ResMLP-S12 at CIFAR
 shapes, batch 128, linear, Affine and LayerScale inputs pruned (dense baseline: ``nn.Dense`` with
@@ -13,6 +13,8 @@ only). Sparsity 0.7, block 16. The loss gradient step is traced and compiled, ne
 per-device residual bytes (the arrays the backward pass keeps, each once, as shard shapes;
 Explicit axes only, where the types carry the shard shapes), per-device compiled temp memory, and
 the number of all-gathers in the compiled HLO. Writes benchmarks/results/sharding.json.
+
+Writes the tables of docs/sharding.md.
 """
 
 from __future__ import annotations

@@ -41,8 +41,10 @@ GELU inputs, the only dx it has; plain Dense otherwise), at its init (``resmlp/i
 ``--run``, at a trained run's latest checkpoint (``resmlp/step<N>``): errors per batch, the mean
 over ``--batches`` batches (the worst batch for the parameters' max).
 
-    nice -n 19 python -m benchmarks.dx_error --data-dir ../shared/data/cifar10-jpg.tar.gz \\
+    nice -n 19 python -m benchmarks.accuracy.dx_error --data-dir ../shared/data/cifar10-jpg.tar.gz \\
         --run runs/long/all-s0-b16-int4-dx8-seed0    # table on stdout, JSON in benchmarks/results/
+
+Writes the error table of docs/memory.md section 1.2 (and the README's of docs/usage.md).
 """
 
 from __future__ import annotations
@@ -64,13 +66,12 @@ import numpy as np
 from jax._src import core as jax_core
 
 from benchmarks.run_info import run_metadata, write_json
-from benchmarks.storage_error import _models  # the same five models, inputs and losses
+from benchmarks.accuracy.storage_error import _models  # the same five models, inputs and losses
 from bsr_jax import Rule, compress_model
 from bsr_jax.rewrite import lean_graph
 from bsr_jax.ops import dx as dx_lib
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import third_party_models as tpm  # noqa: E402
+from tests import third_party_models as tpm  # noqa: E402
 
 FORMATS = ("int8", "int4")
 KINDS = ("none", "act", "norm", "attn", "all")
@@ -277,7 +278,7 @@ def cifar(args, rows: list[dict], detail: dict) -> None:
     resmlp = lambda dx: models.ResMLP(num_classes=test.num_classes, patch_size=4, dx=dx, **preset)  # noqa: E731
     states = {"init": resmlp(None).init(jax.random.key(0), batches[0]["image"])["params"]}
     if args.run:
-        from benchmarks.sensitivity import load_run
+        from benchmarks.accuracy.sensitivity import load_run
 
         config = dataclasses.replace(load_run(args.run, args.data_dir), sparsity=0.0, storage_dtype=None, dx=None,
                                      prune_scale_shift=False, layer_sparsity=())  # fmt: skip

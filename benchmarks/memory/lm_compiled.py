@@ -10,9 +10,9 @@ H100, XLA:TPU's own model on TPU), FLOPs, the ten largest buffers live at the pe
 logits-sized one is among them. Rows are written to the JSON as they finish; rows already there
 are skipped, so an interrupted run resumes.
 
-    python -m benchmarks.lm_compiled --targets h100              # seconds to a minute per row
-    nice -n 10 python -m benchmarks.lm_compiled --targets tpu-v5p # minutes per row; one process (libtpu)
-    python -m benchmarks.lm_compiled --table-only
+    python -m benchmarks.memory.lm_compiled --targets h100              # seconds to a minute per row
+    nice -n 10 python -m benchmarks.memory.lm_compiled --targets tpu-v5p # minutes per row; one process (libtpu)
+    python -m benchmarks.memory.lm_compiled --table-only
 
 Shapes: bf16 compute, f32 parameters and optimizer state, T=2048 (``--seq-len``), vocabulary
 32768 (the presets'); B=8 windows for both presets (gpt2-small's documented batch,
@@ -25,6 +25,8 @@ int4 16 x 16 blocks at sparsity 0; int4 is the recommended setting); ``topk`` (s
 saved inside); ``remat-dots`` (``nn.remat`` per layer with
 ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``). A ``+chunk`` suffix adds
 ``--loss-chunk 1024``. The head stays dense unless chunked (the trainer's rule).
+
+Writes docs/RESULTS.md section 11.2.
 """
 
 from __future__ import annotations

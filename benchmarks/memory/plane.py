@@ -7,7 +7,9 @@ JAX's remat policies, compression; docs/RESULTS.md section 10), ``plan_table.jso
 a real H100, section 13: hollow markers, measured time and allocator peak over dense's). Settings
 are told apart by marker and colour in one legend, so no label overlaps another.
 
-    python -m benchmarks.plane        # writes docs/results/plane.png
+    python -m benchmarks.memory.plane        # writes docs/results/plane.png
+
+Writes docs/results/plane.png (README, docs/RESULTS.md section 10.1).
 """
 
 from __future__ import annotations

@@ -21,8 +21,10 @@ The ``policy`` rows (mode ``policy``) combine both: linear inputs pruned, every 
 ``jax.checkpoint(policy=bsr_jax.remat_policy())``, which keeps the block-sparse residuals and
 matmul outputs and recomputes the elementwise ops.
 
-    python benchmarks/memory.py                     # all models, full grid, table + JSON
-    python benchmarks/memory.py --models mlp --compile none
+    python -m benchmarks.memory.residuals                     # all models, full grid, table + JSON
+    python -m benchmarks.memory.residuals --models mlp --compile none
+
+Writes docs/RESULTS.md section 1.
 """
 
 from __future__ import annotations
@@ -40,10 +42,7 @@ import jax.numpy as jnp
 import bsr_jax
 from bsr_jax.measure.memory import MIB
 
-if __package__:  # python -m benchmarks.memory
-    from benchmarks.run_info import run_metadata, write_json
-else:  # python benchmarks/memory.py: this file's directory is sys.path[0]
-    from run_info import run_metadata, write_json
+from benchmarks.run_info import run_metadata, write_json
 
 
 class MLPBlock(nn.Module):

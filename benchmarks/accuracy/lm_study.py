@@ -8,11 +8,13 @@ trainer), so re-running this script after a stop finishes the study. Seeds run i
 every setting has seed 0 before any has seed 1. After each run the JSON (``--json``) is rewritten
 and the table printed; ``--table-only`` only summarises the runs that exist (and plots them).
 
-    python -m benchmarks.lm_study                       # 6 settings x seeds 0 1, 200 steps each
-    python -m benchmarks.lm_study --table-only
+    python -m benchmarks.accuracy.lm_study                       # 6 settings x seeds 0 1, 200 steps each
+    python -m benchmarks.accuracy.lm_study --table-only
 
 Gaps are against dense's run of the same seed (same initialisation and data order). Wall time is
 the sum of this script's sessions of the run (data, compilation and evaluations included).
+
+Writes docs/RESULTS.md section 11.1.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def plot(study: dict, path: str) -> None:
 
 def report(args) -> dict:
     study = summarise(args.root, args.steps, args.seeds)
-    study["command"] = "python -m benchmarks.lm_study " + " ".join(sys.argv[1:])
+    study["command"] = "python -m benchmarks.accuracy.lm_study " + " ".join(sys.argv[1:])
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(study, f, indent=1)

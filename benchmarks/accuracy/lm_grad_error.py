@@ -2,8 +2,8 @@
 kind: a check that a setting's loss gap is not a systematic error (int8 must be far closer to dense
 than int4). One batch of random tokens, a small ``train.lm`` model (bf16 compute, as trained).
 
-    python -m benchmarks.lm_grad_error
-    python -m benchmarks.lm_grad_error --workdir runs/lm_study/dense-seed0   # a trained run, real text
+    python -m benchmarks.accuracy.lm_grad_error
+    python -m benchmarks.accuracy.lm_grad_error --workdir runs/lm_study/dense-seed0   # a trained run, real text
 
 Error: ``||g - g_dense|| / ||g_dense||`` of each linear layer's kernel gradient, median over layers.
 With ``--workdir``: the run's model (its config.json) at its last checkpoint, on ``--batch`` of its
@@ -11,6 +11,8 @@ validation windows. ``--systematic``: the batch split in two halves, per setting
 cosine between the two halves' errors ``g - g_dense`` (near 0 where the error is noise that
 averages out over steps, near 1 where it points the same way every step: a bias) and the
 projection ``<g, g_dense> / <g_dense, g_dense>`` (below 1: gradients shrunk), medians over layers.
+
+Writes docs/RESULTS.md section 11.1 (the gradient-error table).
 """
 
 from __future__ import annotations

@@ -25,9 +25,11 @@ the extra time goes.
 ``--isas`` runs everything once per CPU kernel path, forced through ``$BSR_JAX_CPU_ISA`` (both
 kernels: dW and the int4 compression); dense never calls them.
 
-    python -m benchmarks.step_time --presets tiny s12 --reps 11
-    python -m benchmarks.step_time --presets tiny --isas avx2 avx512
-    python -m benchmarks.step_time --models vit-b16 --reps 5 --pieces
+    python -m benchmarks.speed.step_time --presets tiny s12 --reps 11
+    python -m benchmarks.speed.step_time --presets tiny --isas avx2 avx512
+    python -m benchmarks.speed.step_time --models vit-b16 --reps 5 --pieces
+
+Writes docs/RESULTS.md sections 4.1 and 4.2.
 """
 
 from __future__ import annotations
@@ -46,10 +48,7 @@ from train import loop
 from train.config import CIFAR_DEFAULTS, parse
 from train.models import PRESETS
 
-if __package__:
-    from benchmarks.run_info import alternating_time_ratios, footer, run_metadata, write_json
-else:  # run as a script
-    from run_info import alternating_time_ratios, footer, run_metadata, write_json
+from benchmarks.run_info import alternating_time_ratios, footer, run_metadata, write_json
 
 # label -> train.cifar flags
 SETTINGS = {

@@ -1,7 +1,7 @@
 """Seconds per ResNet training step on CIFAR shapes, per width and configuration: what sizes the
-accuracy study (``benchmarks/resnet_study.py``, issue 14) to its time budget.
+accuracy study (``benchmarks/accuracy/resnet_study.py``, issue 14) to its time budget.
 
-Each row takes one of the study's configurations (``benchmarks/cifar_grid.py`` ``RESNET_STUDY``:
+Each row takes one of the study's configurations (``benchmarks/accuracy/cifar_grid.py`` ``RESNET_STUDY``:
 its ``train.cifar`` flags, with ``--dim`` set to the row's width), builds the run's own model and
 jitted train step (``train.loop``: the model ``create_model`` makes, AdamW, BatchNorm statistics) at
 batch 128, 32 px, compiles it, runs one warm-up step, then times ``--steps`` steps on random images
@@ -9,7 +9,9 @@ batch 128, 32 px, compiles it, runs one warm-up step, then times ``--steps`` ste
 machine's compute gives, evaluation excluded. Timings on a machine shared with other jobs are upper
 bounds: say what else ran.
 
-    python -m benchmarks.resnet_step_time --widths 64 32 16 --steps 5
+    python -m benchmarks.speed.resnet_step_time --widths 64 32 16 --steps 5
+
+Writes nothing of its own: it sized docs/RESULTS.md section 8's ResNet study.
 """
 
 from __future__ import annotations
@@ -23,12 +25,8 @@ import jax.numpy as jnp
 from train import loop, sharding
 from train.config import CIFAR_DEFAULTS, TrainConfig, parse
 
-if __package__:
-    from benchmarks.cifar_grid import CONFIGS, RESNET_STUDY
-    from benchmarks.run_info import run_metadata, write_json
-else:  # run as a script
-    from cifar_grid import CONFIGS, RESNET_STUDY
-    from run_info import run_metadata, write_json
+from benchmarks.accuracy.cifar_grid import CONFIGS, RESNET_STUDY
+from benchmarks.run_info import run_metadata, write_json
 
 CIFAR_TRAIN_IMAGES = 50_000
 

@@ -6,7 +6,9 @@ paper's "delayed convergence", mean over seeds; "-" if never), training images/s
 logged intervals after the first, which includes compilation), residual activation MiB and
 compiled peak MiB (from each run's memory record), and the kept-block fraction.
 
-    python benchmarks/grid_report.py runs/cifar_grid docs/results
+    python -m benchmarks.accuracy.grid_report runs/cifar_grid docs/results
+
+Writes the tables and plots of docs/RESULTS.md sections 2 and 9 (called by ``cifar_grid``).
 """
 
 from __future__ import annotations
@@ -141,5 +143,5 @@ def report(root: str, out: str, order: list[str]) -> list[dict]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python benchmarks/grid_report.py RUNS_ROOT OUT_DIR")
+        sys.exit("usage: python -m benchmarks.accuracy.grid_report RUNS_ROOT OUT_DIR")
     report(sys.argv[1], sys.argv[2], [])

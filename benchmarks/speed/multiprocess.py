@@ -1,6 +1,6 @@
 """A training run over several processes equals one process with the same devices.
 
-    python -m benchmarks.multiprocess [--data-dir DIR] [--steps 5] [--keep DIR]
+    python -m benchmarks.speed.multiprocess [--data-dir DIR] [--steps 5] [--keep DIR]
 
 Runs ``python -m train.cifar --steps 5`` (tiny ResMLP, width 16, one block, sparsity 0.7, batch 8)
 twice on 4 host CPU devices: 1 process x 4 devices, and 2 processes x 2 devices joined by
@@ -15,6 +15,8 @@ prune the same per-device shards, but the all-reduces (the mean loss, the gradie
 devices' parts in another order (inside one process vs gloo across processes), so float32 results
 differ by a rounding (measured on CIFAR-10: losses up to 1.3e-7 apart relatively, final params and
 optimizer state up to 4e-9 absolutely).
+
+Writes docs/sharding.md's last section.
 """
 
 from __future__ import annotations

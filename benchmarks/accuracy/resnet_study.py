@@ -1,18 +1,20 @@
 """Issue 14's accuracy study: CIFAR-10 ResNet-18 dense vs pool2 vs BSR 0.7/16 at equal epochs.
 
-One resumable command trains the three ``benchmarks/cifar_grid.py`` configurations in ``STUDY``
+One resumable command trains the three ``benchmarks/accuracy/cifar_grid.py`` configurations in ``STUDY``
 (``RESNET_STUDY``; one after the other, each in ``ROOT/<config>-seed<S>``; finished runs are skipped,
 interrupted ones resume from their last checkpoint) for ``EPOCHS`` epochs, then prints the accuracy table:
 per configuration the residual memory against dense (each run's memory record), the test accuracy
 after every epoch, the final accuracy, and the epochs until the test accuracy first reaches 90% of
 the dense run's final accuracy ("-": not reached; unfinished runs show the epochs they have).
 
-    python -m benchmarks.resnet_study --data-dir /work/shared/data/cifar10-jpg.tar.gz
-    python -m benchmarks.resnet_study --table-only          # the table of what has run so far
+    python -m benchmarks.accuracy.resnet_study --data-dir /work/shared/data/cifar10-jpg.tar.gz
+    python -m benchmarks.accuracy.resnet_study --table-only          # the table of what has run so far
 
 Both also write the table's rows to ``--out`` (``benchmarks/results/resnet_study.json``).
 
-Its width (``--dim 16`` in CONFIGS) and ``EPOCHS`` come from ``benchmarks/resnet_step_time.py``.
+Its width (``--dim 16`` in CONFIGS) and ``EPOCHS`` come from ``benchmarks/speed/resnet_step_time.py``.
+
+Writes docs/RESULTS.md section 8 (ResNet-18 on CIFAR-10 at equal epochs).
 """
 
 from __future__ import annotations
@@ -20,13 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 
-if __package__:
-    from benchmarks import cifar_grid, grid_report
-    from benchmarks.run_info import run_metadata, write_json
-else:  # run as a script
-    import cifar_grid
-    import grid_report
-    from run_info import run_metadata, write_json
+from benchmarks.accuracy import cifar_grid
+from benchmarks.accuracy import grid_report
+from benchmarks.run_info import run_metadata, write_json
 
 STUDY = cifar_grid.RESNET_STUDY  # CONFIGS names; the first is the dense reference
 # ResNet-18 at --dim 16 took 0.7-1.2 s per step of 128 (benchmarks/results/resnet_step_time.json;

@@ -6,7 +6,9 @@ an interrupted one continues from its last checkpoint (``--resume``), so re-runn
 after a stop finishes the grid. Seeds run in the outer loop: if time runs out, every configuration
 has the same number of seeds. Afterwards (or with ``--report-only``) it calls ``grid_report``.
 
-    python benchmarks/cifar_grid.py --data-dir ../shared/data/cifar10-jpg.tar.gz --epochs 4 --seeds 0 1
+    python -m benchmarks.accuracy.cifar_grid --data-dir ../shared/data/cifar10-jpg.tar.gz --epochs 4 --seeds 0 1
+
+Writes docs/RESULTS.md sections 2, 9 and 9.1 (its report through ``grid_report``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,7 @@ import os
 import subprocess
 import sys
 
-if __package__:  # python -m benchmarks.cifar_grid
-    from benchmarks import grid_report
-else:  # python benchmarks/cifar_grid.py: this file's directory is sys.path[0]
-    import grid_report
+from benchmarks.accuracy import grid_report
 
 # name -> train.cifar flags. The paper's grid (dense; 0.5/16; 0.7 with blocks 4/16/64), 0.9/16, and
 # this project's extensions: every parameter-gradient residual pruned, kept blocks in int8, and
@@ -49,14 +48,14 @@ CONFIGS: dict[str, list[str]] = {
     ],
     # The recommended setting with approximate dx: the GELU input stored in int8 (bsr_jax.ops.dx).
     "all-s0-b16-int4-dx8": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int4", "--dx", "int8"],
-    # Issue 14's accuracy study (benchmarks/resnet_study.py runs it): ResNet-18 at a quarter of its
-    # width (--dim 16: several epochs an hour on 2 cores, benchmarks/resnet_step_time.py), dense, every
+    # Issue 14's accuracy study (benchmarks/accuracy/resnet_study.py runs it): ResNet-18 at a quarter of its
+    # width (--dim 16: several epochs an hour on 2 cores, benchmarks/speed/resnet_step_time.py), dense, every
     # conv input pooled 2x2 (BatchNorm and ReLU lean), BSR 0.7/16 on every conv input.
     "resnet18-dense": ["--model", "resnet18", "--dim", "16", "--sparsity", "0"],
     "resnet18-pool2": ["--model", "resnet18", "--dim", "16", "--compression", "pool2"],
     "resnet18-bsr0.7-b16": ["--model", "resnet18", "--dim", "16", "--sparsity", "0.7", "--block", "16"],
 }
-# Run by benchmarks/resnet_study.py; the default grid (ResMLP) leaves them out. The first is the dense reference.
+# Run by benchmarks/accuracy/resnet_study.py; the default grid (ResMLP) leaves them out. The first is the dense reference.
 RESNET_STUDY = ("resnet18-dense", "resnet18-pool2", "resnet18-bsr0.7-b16")
 
 

@@ -5,11 +5,11 @@ state donated) compiled by XLA's GPU or TPU compiler on this machine (``bsr_jax.
 with its peak, its modelled step time (XLA:TPU's own model on TPU, ``bsr_jax.measure.roofline`` on H100,
 and the roofline on both), each as a ratio to the dense step on the same target, FLOPs, the five
 largest modules live at the peak and the ten costliest kernels (the plane of every model and target is drawn from this JSON by
-``benchmarks/plane.py``). Results are appended to the JSON as they come, and
+``benchmarks/memory/plane.py``). Results are appended to the JSON as they come, and
 rows already there are skipped, so an interrupted run resumes.
 
-    python -m benchmarks.compiled_memory --models resmlp-s12 vit-b16 --targets h100 tpu-v5p
-    python -m benchmarks.compiled_memory --table-only       # print the table of the JSON
+    python -m benchmarks.memory.compiled_memory --models resmlp-s12 vit-b16 --targets h100 tpu-v5p
+    python -m benchmarks.memory.compiled_memory --table-only       # print the table of the JSON
 
 Settings: ``dense``; ``topk`` (s0.7/16 on linear inputs: the paper's method); ``topk-all``
 (ResMLP only: s0.7/16 on the Affine/LayerScale inputs too, ``--prune-scale-shift``); ``topk-wide``
@@ -25,6 +25,8 @@ input; approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
 values of a row, lane-dense as blocks on TPU); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
 average-pooled 2x2, the conv paper's method).
+
+Writes docs/RESULTS.md sections 10 and 10.1.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import bsr_jax  # noqa: E402
 from bsr_jax import Pooling, Pruning, Rule
 from bsr_jax.rewrite import presets  # noqa: E402
 from bsr_jax.measure.compiled import DEVICELESS_TARGETS  # noqa: E402
-from benchmarks.models import remat_blocks  # noqa: E402
+from benchmarks.memory.models import remat_blocks  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from tests import third_party_models as tpm  # noqa: E402
 from train import models as train_models  # noqa: E402

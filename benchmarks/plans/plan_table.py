@@ -9,12 +9,14 @@ of the planner's own uniform remat candidates (the same policies through ``compr
 Compiles are shared between the three budgets of a model and target; rows are written as they
 come, and rows already in the JSON are skipped, so an interrupted run resumes.
 
-    python -m benchmarks.plan_table --models resmlp-s12 --targets h100
-    python -m benchmarks.plan_table --table-only
+    python -m benchmarks.plans.plan_table --models resmlp-s12 --targets h100
+    python -m benchmarks.plans.plan_table --table-only
 
 "compiles": candidates compiled for that model and target so far (budgets share them); "search":
 the wall time of that budget's plan (the first budget of a model and target compiles the uniform
 candidates the others reuse).
+
+Writes docs/RESULTS.md section 12.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import bsr_jax  # noqa: F401  isort: skip
 import jax.numpy as jnp
 import optax
 
-from benchmarks import compiled_memory as cm
+from benchmarks.memory import compiled_memory as cm
 from benchmarks.run_info import footer, run_metadata
 from bsr_jax.planning import search as planner
 

@@ -1,6 +1,6 @@
 """The train loop's ``shard_map`` against a plain ``jax.jit`` over batch-sharded arrays, on 4 host devices.
 
-    python -m benchmarks.loop_vs_jit        # sets --xla_force_host_platform_device_count=4 itself
+    python -m benchmarks.speed.loop_vs_jit        # sets --xla_force_host_platform_device_count=4 itself
 
 One loss gradient of ``train.loop``'s loss on a batch of 16 random 8x8 images, computed twice on
 ``train.sharding``'s 1-D Auto mesh: by ``data_parallel_grad`` (the loop's ``shard_map``; per-device
@@ -9,6 +9,8 @@ library's per-op ``map_row_shards`` prunes per row shard; XLA partitions the res
 losses, the largest gradient difference and the all-gathers in the ``jit`` step's HLO, for a tiny
 ResMLP at sparsity 0.7 and a width-8 ResNet-18 (BatchNorm) at sparsity 0: the evidence for
 ``train/sharding.py``'s paragraph on why the loop keeps its ``shard_map``.
+
+Writes the measurement in ``train/sharding.py``'s docstring.
 """
 
 from __future__ import annotations

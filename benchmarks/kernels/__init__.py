@@ -1,0 +1,1 @@
+"""The weight-gradient kernels alone, against dense ``x.T @ dy``."""
