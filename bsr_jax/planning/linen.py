@@ -81,7 +81,8 @@ def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], re
         lean += [(p, option.lean) for p in inside]
         dx += [(p, option.dx) for p in inside]
     rest_option = OPTIONS[rest]
-    rules.append(Rule("*", rest_option.compression))
+    if rest_option.compression is not None:  # without one, layers no rule matches stay exact anyway
+        rules.append(Rule("*", rest_option.compression))
     lean.append(("*", rest_option.lean))
     dx.append(("*", None))
     any_dx = any(fmt for _, fmt in dx)
@@ -112,6 +113,10 @@ class Linen:
         self.params = self.state["params"]
         traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(self.state, *batch)
         self.blocks = find_blocks(traced.jaxpr, type(model).__name__)[0]
+        # compress_model raises on a rule that matches no layer: a rest rule needs layers outside.
+        modules = {"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(self.params)}
+        if all(any(m == b or m.startswith(b + "/") for b in self.blocks) for m in modules):
+            self.rest_unavailable = {o: "every parameter of the model lies inside its blocks" for o in OPTIONS if OPTIONS[o].compression is not None}
 
     def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
         return assemble(self.model, self.blocks, choices, rest)

@@ -460,3 +460,25 @@ def test_nnx_an_infeasible_budget_names_the_smallest_peak(nnx_compiled):
     with pytest.raises(ValueError, match=r"no candidate fits the budget of 0 MiB on h100; the smallest compiled peak was [\d,]+ MiB"):
         planner.plan(NnxNet(nnx.Rngs(0)), _nnx_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1KiB", target="h100", cache=nnx_compiled,
                      **FEW)  # fmt: skip
+
+
+class BlocksOnly(nn.Module):
+    """Every layer inside a block: nothing for the rest's rule to match."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = Block(width=32, name=f"blocks_{i}")(x)
+        return x
+
+
+def test_a_linen_model_with_nothing_outside_its_blocks_assembles_every_candidate():
+    from bsr_jax.planning.linen import Linen
+
+    loss = lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2)  # noqa: E731
+    family = Linen(BlocksOnly(), loss, (X,), None, None)
+    assert family.blocks == ("blocks_0", "blocks_1", "blocks_2")
+    assert "int4" in family.rest_unavailable and "keep" not in family.rest_unavailable
+    for choices, rest in ((("remat", "keep", "lean"), "keep"), (("int4",) * 3, "lean")):
+        candidate = family.assemble(choices, rest)
+        jax.eval_shape(lambda v: jax.grad(lambda p: loss(candidate, {"params": p}, X))(v["params"]), family.state)
