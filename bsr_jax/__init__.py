@@ -28,6 +28,12 @@ from bsr_jax.measure.compiled import CompiledStep, compiled_memory
 from bsr_jax.planning import search as planner
 from bsr_jax.planning.search import Plan, plan
 from bsr_jax.measure.memory import CompiledMemory, ResidualBytes, program_order_peak, remat_policy, residual_bytes
+# Modules earlier docs cited as bsr_jax.compiled.target_mesh, bsr_jax.lean.lean_neighbours, ...:
+# still reachable under those names (their homes are now the parts above).
+from bsr_jax.measure import compiled  # noqa: F401
+from bsr_jax.rewrite import lean, lean_graph  # noqa: F401
+from bsr_jax.storage import format  # noqa: F401, A004
+from bsr_jax.planning import nnx as planner_nnx  # noqa: F401
 
 __all__ = [
     "compress_model",

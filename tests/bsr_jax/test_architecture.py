@@ -65,3 +65,15 @@ def test_private_jax_in_one_module():
 def test_modules_are_short():
     long = {str(p.relative_to(PACKAGE)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def test_names_earlier_docs_cited_still_resolve():
+    import functools
+
+    import bsr_jax
+
+    cited = ["bsr_jax.compiled.compile_for", "bsr_jax.compiled.target_mesh", "bsr_jax.format.from_dense",
+             "bsr_jax.lean.lean_neighbours", "bsr_jax.lean_graph", "bsr_jax.planner_nnx.find_blocks",
+             "bsr_jax.planner.find_blocks", "bsr_jax.quantize.quantize_rows", "bsr_jax.sharding.batch_axes"]  # fmt: skip
+    for name in cited:
+        functools.reduce(getattr, name.split(".")[1:], bsr_jax)
