@@ -143,7 +143,10 @@ def build_parser(prog: str, description: str, defaults: Settings, help: Mapping[
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
             kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
-            parser.add_argument(name, type=kind, default=default, choices=choices.get(field.name), help=text)
+            allowed = choices.get(field.name)
+            if allowed and all(c == c.lower() for c in allowed):
+                kind = str.lower  # --target H100 is h100: the choices differ in more than case
+            parser.add_argument(name, type=kind, default=default, choices=allowed, help=text)
     return parser
 
 

@@ -49,3 +49,8 @@ def test_every_float_setting_must_be_finite(field, value):
     with pytest.raises(InvalidSetting, match=f"{field} must be a finite number") as error:
         LMConfig(**{field: value})
     assert error.value.field == field
+
+
+def test_a_choice_flag_is_read_in_any_case(tmp_path):
+    config, _, _ = lm_config.parse("train.lm", "doc", ["--workdir", str(tmp_path / "run"), "--target", "H100", "--storage-dtype", "INT4"])
+    assert (config.target, config.storage_dtype) == ("h100", "int4")
