@@ -123,8 +123,13 @@ def test_lean_neighbours_never_raise_a_transformers_style_resnets_peak(target):
     batch = 32 if target == "h100" else 16
     dense = _hf_resnet_peak(target, batch=batch)
     assert _hf_resnet_peak(target, bsr_jax.Rule("*", None), batch=batch) <= dense
-    if target == "h100":  # the preset's own target: 1.32x before, 0.88 since (0.89 without lean)
-        assert _hf_resnet_peak(target, bsr_jax.Rule("*", bsr_jax.rewrite.presets.recommended(0.5))) <= dense
+
+
+@pytest.mark.slow  # two more H100 compiles (about 20 s on 2 cores); lean alone, the fix, runs by default
+def test_the_recommended_preset_never_raises_a_transformers_style_resnets_peak():
+    """The preset's own target, H100: 1.32x of dense before issue 31, 0.88 since (0.89 without lean)."""
+    dense = _hf_resnet_peak("h100")
+    assert _hf_resnet_peak("h100", bsr_jax.Rule("*", bsr_jax.rewrite.presets.recommended(0.5))) <= dense
 
 
 def test_bad_targets_are_named():
