@@ -96,9 +96,9 @@ def test_affine_and_layerscale_match_plain_autodiff_with_random_params(sparsity)
         (LayerScale(init_value=0.1, sparsity=sparsity, block=4), lambda p, x: p["scale"] * x),
     ]:
         params = _random_params(layer.init(jax.random.key(0), x), seed=4)
-        y, vjp = jax.vjp(lambda p, x: layer.apply(p, x), params, x)
-        y_plain, vjp_plain = jax.vjp(lambda p, x: plain(p["params"], x), params, x)
-        (dparams, dx), (dparams_plain, dx_plain) = vjp(dy), vjp_plain(dy)
+        # Each forward and its vjp in one jitted program, as training runs them (one compile each).
+        under_vjp = lambda f: jax.jit(lambda p, x: (lambda y, vjp: (y, vjp(dy)))(*jax.vjp(f, p, x)))(params, x)  # noqa: E731
+        (y, (dparams, dx)), (y_plain, (dparams_plain, dx_plain)) = under_vjp(layer.apply), under_vjp(lambda p, x: plain(p["params"], x))
         chex.assert_trees_all_equal(y, y_plain)
         chex.assert_trees_all_close(dx, dx_plain, atol=1e-6, rtol=1e-6)
         name = "alpha" if isinstance(layer, Affine) else "scale"
@@ -115,7 +115,7 @@ def test_affine_int8_storage_and_stochastic_match_reference():
     params = _random_params(affine.init(jax.random.key(0), x), seed=8)
     rngs = {"pruning": jax.random.key(1)}
     layer_key = affine.bind(params, rngs=rngs).make_rng("pruning")  # the key the layer's first draw gets
-    dparams = jax.vjp(lambda p: affine.apply(p, x, rngs=rngs), params)[1](dy)[0]["params"]
+    dparams = jax.jit(lambda p: jax.vjp(lambda p: affine.apply(p, x, rngs=rngs), p)[1](dy)[0])(params)["params"]
     kept = reference.kept_input(np.asarray(x), 0.5, 8, storage_dtype="int8", key=reference.op_sampling_key(layer_key))
     _, dalpha, dbeta = reference.scale_shift_grads(params["params"]["alpha"], dy, kept)
     assert_close_scaled((dparams["alpha"], dparams["beta"]), (jnp.asarray(dalpha, jnp.float32), jnp.asarray(dbeta, jnp.float32)), jnp.float32)
