@@ -181,13 +181,15 @@ def test_rows_layout_holds_what_the_blocks_layout_holds(shape, block, storage_dt
 
 
 def test_rows_layout_keeps_nan_in_its_block_and_rounds_stochastically_within_one_step():
+    # Jitted, as a step runs them: op by op took 4 s alone (7 s in the suite), jitted 2.7 s.
+    q_rows, dq_rows = jax.jit(quantize_rows, static_argnums=(1, 2)), jax.jit(dequantize_rows, static_argnums=(2, 3, 4, 5))
     x = _normal((32, 32), 5).at[20, 5].set(jnp.nan)
-    stored, scales = quantize_rows(x, (16, 16), "int8")
-    back = dequantize_rows(stored, scales, "int8", (16, 16), (2, 2), jnp.float32)
+    stored, scales = q_rows(x, (16, 16), "int8")
+    back = dq_rows(stored, scales, "int8", (16, 16), (2, 2), jnp.float32)
     assert bool(jnp.all(jnp.isnan(back[16:, :16]))) and not bool(jnp.any(jnp.isnan(back[:16])))
     x = _normal((32, 32), 6)
-    stored, scales = quantize_rows(x, (16, 16), "int4", jax.random.key(0))
-    back = dequantize_rows(stored, scales, "int4", (16, 16), (2, 2), jnp.float32)
+    stored, scales = q_rows(x, (16, 16), "int4", jax.random.key(0))
+    back = dq_rows(stored, scales, "int4", (16, 16), (2, 2), jnp.float32)
     step = jnp.repeat(jnp.repeat(scales.reshape(2, 2), 16, 1), 16, 0)
     assert bool(jnp.all(jnp.abs(back - x) <= step * (1 + 1e-6)))
     assert not bool(jnp.all(back == _blocks_reference(x, (16, 16), "int4")[2]))  # not all rounded to nearest
