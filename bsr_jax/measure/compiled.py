@@ -37,8 +37,10 @@ from bsr_jax.measure import roofline as roofline_lib
 
 # The H100 SXM device description (the form of XLA's xla/tools/hlo_opt/gpu_specs).
 H100_CONFIG = os.path.join(os.path.dirname(__file__), "h100_sxm.txtpb")
-# XLA:GPU tunes GEMM algorithms on a device; without one, use its defaults and no Triton GEMMs.
+# XLA:GPU tunes GEMM algorithms on a device; without one, use its defaults (and, unless asked for
+# with triton_gemm=True, cuBLAS instead of Triton GEMM fusions).
 _GPU_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+_UNTILED = "Couldn't find output tile sizes"  # XLA:GPU's error where no Triton tiling fits deviceless
 DEVICELESS_TARGETS = ("h100", "tpu-v5p")  # compiled for without the device
 TARGETS = ("host", *DEVICELESS_TARGETS)
 
@@ -193,6 +195,7 @@ class CompiledStep:
     live_at_peak: tuple[LiveBuffer, ...] = ()
     live_peak: int | None = None
     kernels: tuple[roofline_lib.Kernel, ...] = ()
+    triton_gemm: bool = False  # compiled with GEMMs as Triton fusions (``compiled_memory(triton_gemm=)``)
 
     def by_module(self, depth: int = 2) -> dict[str, int]:
         """Live-at-peak bytes summed by the first ``depth`` components of each op's module path
@@ -265,14 +268,25 @@ def compile_for(
     devices: int = 1,
     donate_argnums: int | tuple[int, ...] = (),
     options: dict[str, Any] | None = None,
+    triton_gemm: bool = False,
 ) -> jax.stages.Compiled:
     """``fn(*args)`` compiled for ``target`` (nothing runs), as ``compiled_memory`` compiles it;
     ``fn`` may be ``lower_for``'s result (then ``args`` are unused). ``options`` are extra XLA
-    compile options. Read the program with ``.as_text()``."""
+    compile options; ``triton_gemm`` (``"h100"`` only): compile GEMMs as Triton fusions, as a real
+    H100 does by default (dequantizing or scaling producers fused into the GEMM), instead of cuBLAS.
+    Read the program with ``.as_text()``."""
     target = check_target(target)
+    if triton_gemm and target != "h100":
+        raise ValueError(f"triton_gemm=True is for target='h100' (XLA:GPU), got target={target!r}")
     lowered = fn if isinstance(fn, jax.stages.Lowered) else lower_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums)
-    options = (dict(_GPU_OPTIONS) if target == "h100" else {}) | (options or {})
-    return lowered.compile(options or None)
+    gpu = dict(_GPU_OPTIONS, xla_gpu_enable_triton_gemm=triton_gemm) if target == "h100" else {}
+    try:
+        return lowered.compile((gpu | (options or {})) or None)
+    except Exception as error:  # XLA raises its own runtime error type
+        if triton_gemm and _UNTILED in str(error):
+            raise RuntimeError(f"XLA:GPU found no Triton tiling for a GEMM of this program without a device "
+                               f"({str(error).splitlines()[0][:200]}); compile it with triton_gemm=False") from error  # fmt: skip
+        raise
 
 
 def compiled_memory(
@@ -282,6 +296,7 @@ def compiled_memory(
     devices: int = 1,
     donate_argnums: int | tuple[int, ...] = (),
     breakdown: bool = False,
+    triton_gemm: bool = False,
 ) -> CompiledStep:
     """Compile ``fn(*args)`` for ``target`` (nothing runs) and read XLA's memory plan and cost.
 
@@ -298,11 +313,16 @@ def compiled_memory(
         training step), as ``jax.jit``'s.
       breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
         directory) and the ten costliest kernels of the roofline.
+      triton_gemm: ``"h100"`` only: GEMMs as Triton fusions, as a real H100 compiles them by
+        default, instead of cuBLAS (the default here, and every figure in docs/RESULTS.md sections
+        10-12). Some programs do not tile without a device (ViT-B/16's step): a ``RuntimeError``
+        says so.
     """
     target = check_target(target)
     with tempfile.TemporaryDirectory() as dump_dir:
         options = {"xla_dump_to": dump_dir} if breakdown else {}
-        compiled = compile_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums, options=options)
+        compiled = compile_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums, options=options,
+                               triton_gemm=triton_gemm)  # fmt: skip
         live, live_peak = _live_at_peak(dump_dir) if breakdown else ((), None)
     memory = CompiledMemory.of(compiled)
     cost = compiled.cost_analysis() or {}
@@ -326,4 +346,5 @@ def compiled_memory(
         live_at_peak=live,
         live_peak=live_peak,
         kernels=modelled.top(10) if breakdown and modelled else (),
+        triton_gemm=triton_gemm,
     )
