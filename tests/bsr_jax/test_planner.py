@@ -14,6 +14,10 @@ from bsr_jax import Rule
 from bsr_jax.planning import search as planner
 from bsr_jax.planning import nnx as planner_nnx
 
+# One xdist worker runs this module (--dist loadgroup, pyproject.toml): its compiled candidates
+# (the module fixtures `compiled`, `nnx_plan`) are built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_planner")
+
 
 class Block(nn.Module):
     width: int = 64

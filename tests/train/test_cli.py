@@ -20,6 +20,10 @@ from train import config as config_lib
 from train import plot
 from train.config import CIFAR_DEFAULTS, IMAGENET_DEFAULTS, TrainConfig
 
+# One xdist worker runs this module (--dist loadgroup, pyproject.toml): the module fixture
+# `smoke_run` (a train.cifar subprocess) runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

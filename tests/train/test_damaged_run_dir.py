@@ -20,6 +20,10 @@ from train import cli, data, loop
 from train.checkpoint import NoIntactCheckpoint
 from train.config import CIFAR_DEFAULTS, DATASETS, TrainConfig
 
+# One xdist worker runs this module (--dist loadgroup, pyproject.toml): the module fixture
+# `stopped_run` (a four-step run) runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_damaged_run_dir")
+
 # 4 steps per epoch; checkpoints every 2 steps.
 TINY = TrainConfig(dim=16, depth=1, image_size=8, patch_size=4, batch_size=16, eval_batch_size=16, epochs=2,
                    warmup_epochs=0.0, log_every=2, checkpoint_every=2)  # fmt: skip
