@@ -93,8 +93,8 @@ def test_resmlp_with_approximate_dx_keeps_its_forward_and_parameters():
     x = jax.random.normal(jax.random.key(2), (4, 32, 32, 3))
     common = dict(num_classes=10, dim=64, depth=2, patch_size=4)
     exact, approx = models.ResMLP(**common), models.ResMLP(**common, dx="int8")
-    params = exact.init(jax.random.key(0), x)
-    chex.assert_trees_all_equal(jax.tree.structure(params), jax.tree.structure(approx.init(jax.random.key(0), x)))
+    params = jax.jit(exact.init)(jax.random.key(0), x)  # jitted: one compile, not op by op
+    chex.assert_trees_all_equal(jax.tree.structure(params), jax.tree.structure(jax.eval_shape(approx.init, jax.random.key(0), x)))
     chex.assert_trees_all_equal(jax.jit(approx.apply)(params, x), jax.jit(exact.apply)(params, x))
     loss = lambda m: (lambda p: jnp.mean(m.apply(p, x) ** 2))  # noqa: E731
     got, want = jax.jit(jax.grad(loss(approx)))(params), jax.jit(jax.grad(loss(exact)))(params)
@@ -108,7 +108,7 @@ def _vit_case():
 
     c = tpm.Config(layers=2, width=128, mlp=512, heads=4, batch=8, image=32, patch=4, classes=10)
     model, x = tpm.vit(c), jax.random.normal(jax.random.key(0), (8, 32, 32, 3))
-    return model, x, tpm.jitter(model.init(jax.random.key(1), x))  # the head starts at zero: no gradient
+    return model, x, tpm.jitter(jax.jit(model.init)(jax.random.key(1), x))  # the head starts at zero: no gradient
 
 
 def test_compress_model_stores_every_recognised_dx_residual_in_the_format():
