@@ -62,10 +62,11 @@ def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
     _, paths, scanned = max(candidates, key=lambda c: c[0])
     return paths, scanned
 
-def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], rest: str = "keep") -> nn.Module:
+def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], rest: str = "keep", outside: bool = True) -> nn.Module:
     """``model`` with block ``blocks[i]`` treated as ``OPTIONS[choices[i]]`` and everything else as
     ``OPTIONS[rest]`` (``compress_model`` with rules, lean modes, dx and remat by path); ``model``
-    itself where everything is kept."""
+    itself where everything is kept. ``outside``: whether any parameter lies outside the blocks
+    (without one, the rest's compression has nothing to compress)."""
     if set(choices) <= {"keep"} and rest == "keep":
         return model
     rules, lean, dx, remat = [], [], [], []
@@ -81,7 +82,8 @@ def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], re
         lean += [(p, option.lean) for p in inside]
         dx += [(p, option.dx) for p in inside]
     rest_option = OPTIONS[rest]
-    if rest_option.compression is not None:  # without one, layers no rule matches stay exact anyway
+    # compress_model raises on a rule that matches no layer; layers no rule matches stay exact anyway.
+    if rest_option.compression is not None and outside:
         rules.append(Rule("*", rest_option.compression))
     lean.append(("*", rest_option.lean))
     dx.append(("*", None))
@@ -113,13 +115,11 @@ class Linen:
         self.params = self.state["params"]
         traced = jax.make_jaxpr(lambda v, *b: loss_fn(model, v, *b))(self.state, *batch)
         self.blocks = find_blocks(traced.jaxpr, type(model).__name__)[0]
-        # compress_model raises on a rule that matches no layer: a rest rule needs layers outside.
         modules = {"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(self.params)}
-        if all(any(m == b or m.startswith(b + "/") for b in self.blocks) for m in modules):
-            self.rest_unavailable = {o: "every parameter of the model lies inside its blocks" for o in OPTIONS if OPTIONS[o].compression is not None}
+        self.outside = any(not any(m == b or m.startswith(b + "/") for b in self.blocks) for m in modules)
 
     def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
-        return assemble(self.model, self.blocks, choices, rest)
+        return assemble(self.model, self.blocks, choices, rest, self.outside)
 
     def step(self, module: nn.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]:
         def step(variables, opt_state, *batch):

@@ -485,7 +485,7 @@ def test_a_linen_model_with_nothing_outside_its_blocks_assembles_every_candidate
     loss = lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2)  # noqa: E731
     family = Linen(BlocksOnly(), loss, (X,), None, None)
     assert family.blocks == ("blocks_0", "blocks_1", "blocks_2")
-    assert "int4" in family.rest_unavailable and "keep" not in family.rest_unavailable
-    for choices, rest in ((("remat", "keep", "lean"), "keep"), (("int4",) * 3, "lean")):
+    assert not family.outside
+    for choices, rest in ((("remat", "keep", "lean"), "keep"), (("int4",) * 3, "lean"), (("remat",) * 3, "int4")):
         candidate = family.assemble(choices, rest)
         jax.eval_shape(lambda v: jax.grad(lambda p: loss(candidate, {"params": p}, X))(v["params"]), family.state)
