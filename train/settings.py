@@ -145,7 +145,7 @@ def build_parser(prog: str, description: str, defaults: Settings, help: Mapping[
             kind = {"int": int, "float": float}.get(field.type.split(" ")[0], str)  # "int | None" -> int
             allowed = choices.get(field.name)
             if allowed and all(c == c.lower() for c in allowed):
-                kind = str.lower  # --target H100 is h100: the choices differ in more than case
+                kind = str.lower  # --target H100 is h100: every choice is lower case, so case means nothing
             parser.add_argument(name, type=kind, default=default, choices=allowed, help=text)
     return parser
 
