@@ -17,9 +17,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-from train import settings
+from train import common_config, settings
+from train.common_config import CommonSettings
 # UsageError and InvalidSetting are re-exported: the image trainers' modules take them from here.
-from train.settings import InvalidSetting, Parser, Settings, UsageError, flag, show  # noqa: F401
+from train.settings import InvalidSetting, Parser, UsageError, flag, show  # noqa: F401
 # The option lists are re-exported: callers and tests find every flag's allowed values here.
 from train.options import (  # noqa: F401
     AUGMENTS, BACKENDS, COMPRESSIONS, CRITERIA, DATASETS, DTYPES, DX_FORMATS, HELP, MODELS, OPTIMIZERS, PLAN_TARGETS,
@@ -29,94 +30,66 @@ from train.options import (  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig(Settings):
+class TrainConfig(CommonSettings):
     """Everything a run depends on. ``steps`` and ``resume`` only decide where a run stops/starts."""
 
     RESUME_OVERRIDES: ClassVar[tuple[str, ...]] = RESUME_OVERRIDES
+    LAYOUT: ClassVar[tuple[str, ...]] = (
+        "dataset", "data_dir", "cache_dir", "image_size", "augment",
+        "model", "patch_size", "dim", "depth", "dtype", "remat",
+        "sparsity", "block", "criterion", "selection", "backend", "sparse_stem", "sparse_head", "prune_scale_shift",
+        "storage_dtype", "rounding", "compression", "stochastic", "sparsity_warmup_epochs", "layer_sparsity",
+        "dx", "memory_budget", "target",
+        "optimizer", "lr", "min_lr", "weight_decay", "warmup_epochs", "label_smoothing", "epochs", "batch_size",
+        "eval_batch_size", "seed",
+        "steps", "log_every", "checkpoint_every", "keep_checkpoints", "resume",
+    )  # fmt: skip
 
     # Data.
     dataset: Literal["cifar10", "cifar100", "imagenet2012", "imagefolder"] = "cifar10"
-    data_dir: str | None = None
-    cache_dir: str | None = None
     image_size: int = 32
     augment: Literal["cifar", "imagenet", "none"] = "cifar"
     # Model.
     model: str = "tiny"
     patch_size: int = 4
-    dim: int | None = None  # overrides the preset's width
-    depth: int | None = None  # overrides the preset's number of blocks
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    remat: bool = False  # nn.remat per ResMLP block (train.models.create_model says what a block keeps)
     # Block-sparse residuals.
-    sparsity: float = 0.0
-    block: int = 16
-    criterion: Literal["l2", "l1"] = "l2"
-    selection: Literal["global", "column"] = "global"
-    backend: str | None = None
     sparse_stem: bool = False
-    sparse_head: bool = False
     prune_scale_shift: bool = False
-    storage_dtype: Literal["bfloat16", "float8_e4m3fn", "int8", "int4"] | None = None
-    rounding: Literal["nearest", "stochastic"] = "nearest"
     compression: Literal["pool2", "pool4"] | None = None
-    stochastic: bool = False
     sparsity_warmup_epochs: float = 0.0
-    layer_sparsity: tuple[tuple[str, float], ...] = ()
-    # Approximate input gradients (bsr_jax.ops.dx): the GELU input stored in this format.
-    dx: Literal["int8", "int4"] | None = None
-    # The planner (train.planning): a memory budget for the step on a target accelerator.
-    memory_budget: str | None = None
-    target: Literal["h100", "tpu-v5p"] = "h100"
     # Optimisation.
     optimizer: Literal["adamw", "lamb"] = "adamw"
-    lr: float = 1e-3
-    min_lr: float = 1e-6
-    weight_decay: float = 0.05
     warmup_epochs: float = 5.0
     label_smoothing: float = 0.1
     epochs: int = 100
-    batch_size: int = 128
     eval_batch_size: int = 500
-    seed: int = 0
-    # Run control and logging.
+    # Run control.
     steps: int | None = None
-    log_every: int = 50
-    checkpoint_every: int = 1000
-    keep_checkpoints: int = 2
-    resume: bool = False
 
     def __post_init__(self):
-        checks = {
+        super().__post_init__()
+        if self.model in RESNET_MODELS:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in RESMLP_ONLY:
+                if getattr(self, name) != defaults[name]:
+                    raise InvalidSetting(name, f"{name} applies to ResMLP models only, got {show(getattr(self, name))} with model {self.model}")
+
+    def checks(self) -> dict[str, tuple[bool, str]]:
+        checks = super().checks()
+        rounding_ok, rounding_allowed = checks["rounding"]
+        return {
+            **checks,
             "dataset": (self.dataset in DATASETS, f"one of {DATASETS}"),
             "augment": (self.augment in AUGMENTS, f"one of {AUGMENTS}"),
             "model": (self.model in MODELS, f"one of {MODELS}"),
-            "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
             "optimizer": (self.optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}"),
-            "sparsity": (0.0 <= self.sparsity < 1.0, "in [0, 1)"),
-            "block": (self.block >= 1, ">= 1"),
-            "criterion": (self.criterion in CRITERIA, f"one of {CRITERIA}"),
-            "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
-            "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
-            "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
-            "dx": (self.dx in (None, *DX_FORMATS), f"None or one of {DX_FORMATS}"),
-            "memory_budget": (
-                self.memory_budget is None
-                or not (self.sparsity or self.storage_dtype or self.dx or self.stochastic or self.layer_sparsity or self.compression
-                        or self.remat),
-                "None, or without --sparsity/--storage-dtype/--dx/--stochastic/--layer-sparsity/--compression/--remat (the plan chooses them)",
-            ),
-            "target": (self.target in PLAN_TARGETS, f"one of {PLAN_TARGETS}"),
-            "rounding": (
-                self.rounding == "nearest" or (self.rounding in ROUNDINGS and self.storage_dtype in STOCHASTIC_ROUNDING_DTYPES and self.compression is None),
-                f"one of {ROUNDINGS}; 'stochastic' needs --storage-dtype {' or '.join(STOCHASTIC_ROUNDING_DTYPES)} and no --compression",
-            ),
+            "rounding": (rounding_ok and (self.rounding == "nearest" or self.compression is None), rounding_allowed + " and no --compression"),
             "compression": (
                 self.compression is None
                 or (self.compression in COMPRESSIONS and self.model in RESNET_MODELS and self.sparsity == 0 and not self.stochastic),
                 f"None or one of {COMPRESSIONS}, with a ResNet model {RESNET_MODELS} and without --sparsity/--stochastic",
             ),
             "sparsity_warmup_epochs": (self.sparsity_warmup_epochs >= 0, ">= 0"),
-            "layer_sparsity": (all(0.0 <= v < 1.0 for _, v in self.layer_sparsity), "PATTERN=VALUE rules with VALUE in [0, 1)"),
             "image_size": (self.image_size >= 1, ">= 1"),
             # ResMLP cuts the image into patches; ResNet has none.
             "patch_size": (
@@ -124,28 +97,12 @@ class TrainConfig(Settings):
                 f">= 1 and divide --image-size {self.image_size}",
             ),
             "epochs": (self.epochs >= 1, ">= 1"),
-            "batch_size": (self.batch_size >= 1, ">= 1"),
             "eval_batch_size": (self.eval_batch_size >= 1, ">= 1"),
             "steps": (self.steps is None or self.steps >= 1, ">= 1 or None"),
-            "log_every": (self.log_every >= 1, ">= 1"),
-            "checkpoint_every": (self.checkpoint_every >= 1, ">= 1"),
-            "keep_checkpoints": (self.keep_checkpoints >= 1, ">= 1"),
             "warmup_epochs": (self.warmup_epochs >= 0, ">= 0"),
             "label_smoothing": (0.0 <= self.label_smoothing < 1.0, "in [0, 1)"),
-            "lr": (self.lr > 0, "> 0"),
             "min_lr": (0 <= self.min_lr <= self.lr, f"in [0, --lr {self.lr}]"),
-            "weight_decay": (self.weight_decay >= 0, ">= 0"),
-            # A zero width or depth fails deep inside the model (a division by zero, a negative shape).
-            "dim": (self.dim is None or self.dim >= 1, ">= 1"),
-            "depth": (self.depth is None or self.depth >= 1, ">= 1"),
-            "seed": (self.seed >= 0, ">= 0"),
         }
-        settings.check(self, checks)
-        if self.model in RESNET_MODELS:
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            for name in RESMLP_ONLY:
-                if getattr(self, name) != defaults[name]:
-                    raise InvalidSetting(name, f"{name} applies to ResMLP models only, got {show(getattr(self, name))} with model {self.model}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,22 +162,8 @@ def build_parser(
     prog: str, description: str, defaults: TrainConfig, datasets: Sequence[str] = DATASETS
 ) -> argparse.ArgumentParser:
     """An argparse parser with one flag per ``TrainConfig`` field, ``--workdir`` and ``Processes``' flags."""
-    choices = {
-        "dataset": tuple(datasets),
-        "augment": AUGMENTS,
-        "model": MODELS,
-        "dtype": DTYPES,
-        "optimizer": OPTIMIZERS,
-        "criterion": CRITERIA,
-        "selection": SELECTIONS,
-        "storage_dtype": STORAGE_DTYPES,
-        "dx": DX_FORMATS,
-        "target": PLAN_TARGETS,
-        "rounding": ROUNDINGS,
-        "backend": BACKENDS,
-        "compression": COMPRESSIONS,
-    }
-    parser = settings.build_parser(prog, description, defaults, HELP, choices, workdir=f"runs/{prog.split('.')[-1]}")
+    choices = {"dataset": tuple(datasets), "augment": AUGMENTS, "model": MODELS, "optimizer": OPTIMIZERS, "compression": COMPRESSIONS}
+    parser = common_config.build_parser(prog, description, defaults, HELP, choices, workdir=f"runs/{prog.split('.')[-1]}")
     _add_process_flags(parser)
     return parser
 

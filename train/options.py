@@ -1,4 +1,5 @@
-"""The training flags' allowed values and --help texts (``train.config`` builds the parser from them).
+"""The training flags' allowed values (both trainers'), and the image trainers' own --help texts
+(``train.config`` builds the parser from them and ``train.common_config``'s shared ones).
 
 Nothing here imports JAX, so ``--help`` and flag errors answer at once.
 """
@@ -33,6 +34,7 @@ BACKENDS = ("auto", "cpu", "xla", "pallas", "reference")
 RESUME_OVERRIDES = ("steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch_size",
                     "data_dir", "cache_dir", "backend")  # fmt: skip
 
+# What train.common_config.HELP does not say, or the image trainers word for their models.
 HELP = {
     "dataset": "dataset name; 'imagefolder' reads any <root>/{train,test}/<class>/<image> tree in --data-dir",
     "data_dir": "file or directory holding the data (archive, extracted folder or a tfds data_dir); default: "
@@ -45,7 +47,6 @@ HELP = {
     "patch_size": "side of the square patches (ResMLP)",
     "dim": "override the preset's channels per token (ResNet: filters of the stem and first stage, default 64)",
     "depth": "override the preset's number of blocks (ResMLP)",
-    "dtype": "computation dtype (params and optimizer state stay float32)",
     "remat": "ResMLP only: recompute each block in the backward pass (nn.remat per block). Alone, a block keeps only its "
     "input (the least memory, one more forward); with compression (--sparsity, --storage-dtype, --stochastic, "
     "--layer-sparsity, --dx) it keeps its compressed residuals and matmul outputs and recomputes the elementwise ops "
@@ -53,31 +54,19 @@ HELP = {
     "sparsity": "fraction of activation blocks dropped from the weight-gradient residuals (0 = dense); "
     "ResNet: every convolution's input as (N*H*W, C) blocks",
     "block": "square block side of the pruning",
-    "criterion": "block magnitude used for ranking",
-    "selection": "'global': largest blocks of the whole tensor; 'column': same number per block-column",
-    "backend": "dW backend (cpu, xla, pallas, reference); default: $BSR_JAX_BACKEND or the platform's",
     "sparse_stem": "also prune the patch embedding's input",
     "sparse_head": "also prune the classifier's input",
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",
     "dx": f"approximate input gradients: store the GELU input, which GELU's exact backward needs, in one of {', '.join(DX_FORMATS)} "
           "(per-row scales every 128 values); default exact",
-    "memory_budget": "fit the training step into this budget at the least modelled time: bsr_jax.plan chooses per block "
-    "among its exact options (lean neighbours, remat policies, host offload; gradients unchanged), compiled for --target "
-    "(a size with its unit like 12GiB or 800MB, or a fraction of the dense step's peak in (0, 1] like 0.5); "
-    "leave --sparsity/--storage-dtype/--dx unset",
-    "target": f"the accelerator --memory-budget plans for, compiled deviceless ({', '.join(PLAN_TARGETS)})",
-    "storage_dtype": f"store kept blocks in lower precision ({', '.join(STORAGE_DTYPES)}), dequantized in the backward pass",
-    "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",
     "compression": "ResNet only: keep the window means of every convolution's input for its weight gradient, "
     "2x2 (pool2) or 4x4 (pool4) windows (bsr_jax.Pooling; Barley & Froning 2024); --storage-dtype applies to them",
-    "stochastic": "sample kept blocks with probability by magnitude and rescale them (unbiased weight gradients)",
     "sparsity_warmup_epochs": "ramp every layer's sparsity from 0 to its target over this many epochs, in 4 stairs",
     "layer_sparsity": "PATTERN=VALUE, repeatable: layers whose module path matches PATTERN (fnmatch, e.g. "
     "'block*/fc2' or 'block0/*') use sparsity VALUE; first match wins; applies to every bsr_jax layer, "
     "Affine/LayerScale/stem/head included",
     "optimizer": "optimizer (decoupled weight decay on kernels only)",
     "lr": "peak learning rate",
-    "min_lr": "final learning rate of the cosine decay",
     "weight_decay": "weight decay on kernels (none on biases, Affine and LayerScale)",
     "warmup_epochs": "linear warmup length in epochs (capped at 20%% of the run)",
     "label_smoothing": "label smoothing of the cross-entropy",
@@ -86,11 +75,4 @@ HELP = {
     "eval_batch_size": "global evaluation batch",
     "seed": "seed of initialisation, data order and augmentation",
     "steps": "stop after this many steps in total (quick runs); the schedule still spans --epochs",
-    "log_every": "steps between metric lines",
-    "checkpoint_every": "steps between checkpoints (one is also written at the end and on SIGINT/SIGTERM)",
-    "keep_checkpoints": "checkpoints kept in WORKDIR/checkpoints",
-    "resume": "continue the run in --workdir from its last checkpoint with its config.json (same data order, "
-    "bit-for-bit; a damaged newest checkpoint is moved to WORKDIR/damaged_checkpoints and the newest intact one "
-    "used, with a note); other flags must match it, except "
-    + ", ".join("--" + n.replace("_", "-") for n in RESUME_OVERRIDES),
 }

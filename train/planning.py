@@ -18,9 +18,6 @@ import optax
 import bsr_jax
 from train import metrics
 
-# The flags a planned run leaves to the plan (each trainer checks them in its config).
-PLAN_CHOOSES = ("sparsity", "storage_dtype", "dx", "stochastic", "layer_sparsity", "compression", "remat")
-
 
 def check_budget(budget: str | None, usage_error: type[Exception]) -> None:
     """The budget's form, before any data is read: a one-line error naming the flag."""

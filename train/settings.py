@@ -3,9 +3,9 @@ errors that name the flag, and ``--resume``'s rule (the run's own ``config.json`
 flags that repeat it are fine, flags that change it are an error, except the class's
 ``RESUME_OVERRIDES``, which are applied and reported).
 
-``train.config`` (``train.cifar``, ``train.imagenet``) and ``train.lm_config`` (``train.lm``) hold
-the fields, their checks and their --help texts. Nothing here imports JAX, so ``--help`` and flag
-errors answer at once.
+``train.common_config`` holds the fields both trainers share, their checks and --help texts;
+``train.config`` (``train.cifar``, ``train.imagenet``) and ``train.lm_config`` (``train.lm``) add
+their own. Nothing here imports JAX, so ``--help`` and flag errors answer at once.
 """
 
 from __future__ import annotations
@@ -46,16 +46,27 @@ def check(obj: Any, checks: Mapping[str, tuple[bool, str]]) -> None:
 class Settings:
     """Base of a frozen, keyword-only dataclass of a run's settings.
 
-    Subclasses name the fields a resumed run may change (``RESUME_OVERRIDES``) and the program that
-    writes their ``config.json`` (``WRITER``), and call ``check`` from ``__post_init__``. A field
+    Subclasses name every field in the order of their --help, ``config.json`` and messages
+    (``LAYOUT``: a subclass's fields come after its base's, which would scatter each trainer's flags),
+    the fields a resumed run may change (``RESUME_OVERRIDES``) and the program that writes their
+    ``config.json`` (``WRITER``), and call ``check`` from ``__post_init__``. A field
     ``layer_sparsity`` (``PATTERN=VALUE`` rules) is a tuple of pairs here and a list of lists in JSON.
     """
 
+    LAYOUT: ClassVar[tuple[str, ...]] = ()
     RESUME_OVERRIDES: ClassVar[tuple[str, ...]] = ()
     WRITER: ClassVar[str] = "train"
 
+    @classmethod
+    def layout(cls) -> list[dataclasses.Field]:
+        """The fields in ``LAYOUT``'s order."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if sorted(cls.LAYOUT) != sorted(fields):  # a field left out would be missing from --help and config.json
+            raise TypeError(f"{cls.__name__}.LAYOUT must name each field once; it differs in {sorted(set(cls.LAYOUT) ^ set(fields))}")
+        return [fields[name] for name in cls.LAYOUT]
+
     def to_json(self) -> dict[str, Any]:
-        fields = dataclasses.asdict(self)
+        fields = {f.name: getattr(self, f.name) for f in self.layout()}
         if "layer_sparsity" in fields:
             fields["layer_sparsity"] = [list(rule) for rule in fields["layer_sparsity"]]
         return fields
@@ -66,7 +77,7 @@ class Settings:
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise UsageError(f"unknown settings {unknown} (written by another version of {cls.WRITER}?)")
-        for field in dataclasses.fields(cls):  # a damaged value would fail in the checks as a TypeError
+        for field in cls.layout():  # a damaged value would fail in the checks as a TypeError
             if field.name in fields and not _json_type_ok(field.type, fields[field.name]):
                 raise UsageError(f"setting {field.name} holds {fields[field.name]!r}, not a {field.type}: repair it, or pass another --workdir")
         if "layer_sparsity" in fields:
@@ -78,7 +89,7 @@ class Settings:
         not in ``RESUME_OVERRIDES``: continuing with it would mix two trainings."""
         return [
             f"{flag(f.name)} {show(getattr(self, f.name))} (the run has {show(getattr(saved, f.name))})"
-            for f in dataclasses.fields(self)
+            for f in self.layout()
             if f.name not in (*self.RESUME_OVERRIDES, "resume") and getattr(self, f.name) != getattr(saved, f.name)
         ]
 
@@ -135,7 +146,7 @@ def build_parser(prog: str, description: str, defaults: Settings, help: Mapping[
     """One flag per field of ``defaults``' class (its default from ``defaults``) plus ``--workdir``."""
     parser = Parser(prog=prog, description=description, formatter_class=HelpFormatter)
     parser.add_argument("--workdir", default=workdir, help="where metrics, config and checkpoints go")
-    for field in dataclasses.fields(defaults):
+    for field in type(defaults).layout():
         name, default, text = flag(field.name), getattr(defaults, field.name), help[field.name]
         if field.name == "layer_sparsity":
             parser.add_argument(name, type=layer_rule, action="append", default=list(default), metavar="PATTERN=VALUE", help=text)
