@@ -22,7 +22,8 @@ from bsr_jax.measure import roofline
 from bsr_jax.rewrite import schedules
 from bsr_jax.rewrite import sensitivity
 from bsr_jax.core import sharding
-from bsr_jax.rewrite.rules import LayerPlan, Rule, pruning_plan, use_rules
+from bsr_jax.rewrite.rules import LayerPlan, Rule, layer_table, pruning_plan, use_rules
+from bsr_jax.core.layer_table import LayerTable
 from bsr_jax.measure.report import ResidualReport, residual_report
 from bsr_jax.measure.compiled import CompiledStep, compiled_memory
 from bsr_jax.planning import search as planner
@@ -55,6 +56,8 @@ __all__ = [
     "compressed_conv",
     "Affine",
     "LayerPlan",
+    "LayerTable",
+    "layer_table",
     "Rule",
     "pruning_plan",
     "use_rules",

@@ -4,7 +4,8 @@
 The layers sit below the rewriting that decides for them, so they do not import it: a rewrite
 (``bsr_jax.rewrite.rules.use_rules``) installs a ``Resolver`` for the duration of a trace with
 ``resolving``, and the layers call ``lookup`` and ``record`` here. Without one, ``lookup`` answers
-``NO_MATCH`` and a layer keeps its own options.
+``NO_MATCH`` and a layer keeps its own options. What the layers resolved, compressed and left dense
+is collected, where asked (``collecting``), into a ``LayerTable``.
 
 Paths: a linen module's path is its Flax path, '/'-joined (``"Encoder/block0/MlpBlock_0/Dense_1"``),
 under a nested ``submodule.apply(...)`` prefixed by the path of the module that made the call;
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 
 from flax import nnx
 
+from bsr_jax.core.layer_table import Collector
+
 NO_MATCH = object()  # lookup's answer when no rewrite is active or none of its rules matches
 
 
@@ -33,11 +36,10 @@ class Resolver(Protocol):
     def resolve(self, module: Any, path: str) -> Any:
         """The compression for the bound linen ``module`` at ``path`` (``None``: dense), or ``NO_MATCH``."""
 
-    def record(self, path: str, compression: Any, x: Any) -> None:
-        """Note that the layer at ``path`` compresses its input ``x`` with ``compression``."""
-
 
 _ACTIVE: contextvars.ContextVar[Resolver | None] = contextvars.ContextVar("bsr_jax_resolver", default=None)
+# Apart from the resolver: a table is collected whoever resolves (rules, a table, a layer's own options).
+_COLLECTORS: contextvars.ContextVar[tuple[Collector, ...]] = contextvars.ContextVar("bsr_jax_collectors", default=())
 
 
 def active() -> Resolver | None:
@@ -53,6 +55,17 @@ def resolving(resolver: Resolver) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[Collector]:
+    """Collect what the layers traced within the context resolve: ``collector.table()`` after it."""
+    collector = Collector()
+    token = _COLLECTORS.set((*_COLLECTORS.get(), collector))
+    try:
+        yield collector
+    finally:
+        _COLLECTORS.reset(token)
 
 
 def module_path(module: Any) -> str:
@@ -85,17 +98,26 @@ def enter_module(module: Any, caller: Any | None) -> None:
 
 def lookup(module: Any) -> Any:
     """The active resolver's compression for ``module`` (a bound Flax module), or ``NO_MATCH``."""
-    resolver = _ACTIVE.get()
-    return NO_MATCH if resolver is None else resolver.resolve(module, module_path(module))
+    resolver, path = _ACTIVE.get(), module_path(module)
+    resolved(path, type(module).__name__)
+    return NO_MATCH if resolver is None else resolver.resolve(module, path)
+
+
+def resolved(path: str, layer: str, reason: str | None = None) -> None:
+    """Note the layer at ``path`` (of class ``layer``) in the collected tables, in call order
+    (``reason``: why it stays dense, where known before it is called: NNX resolves at once)."""
+    for collector in _COLLECTORS.get():
+        collector.resolved(path, layer, reason)
 
 
 def record(path: str, compression: Any, x: Any) -> None:
-    """Called by every compressing layer with what it resolved (collected by ``bsr_jax.pruning_plan``)."""
-    resolver = _ACTIVE.get()
-    if resolver is not None:
-        resolver.record(path, compression, x)
+    """Called by every compressing layer with the compression its input ``x`` is kept with."""
+    for collector in _COLLECTORS.get():
+        collector.record(path, compression, x)
 
 
 def report_dense(path: str, reason: str) -> None:
     """Report that the layer at ``path`` stays dense although a rule asked for a compression."""
     warnings.warn(f"bsr_jax: {path or 'the root module'} stays dense: {reason}", UserWarning, stacklevel=3)
+    for collector in _COLLECTORS.get():
+        collector.dense(path, reason)

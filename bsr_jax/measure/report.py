@@ -24,6 +24,9 @@ Kinds, in order of precedence:
   e.g., the q, k and v projections), compressed or not;
 * ``compressed``: an array of a bsr_jax block-sparse residual (named ``RESIDUAL_NAME``);
 * ``dense``: any other activation.
+
+``layers``: the per-layer table the traced call resolved (``bsr_jax.LayerTable``: what each layer's
+backward keeps and how, dense layers with why), printed after the residuals.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from jax.extend import source_info_util
 
 from bsr_jax.core.names import RESIDUAL_NAME
 from bsr_jax.measure.memory import MIB, _aval_bytes
-from bsr_jax.core.layer_choice import nnx_module_paths
+from bsr_jax.core.layer_choice import collecting, nnx_module_paths
+from bsr_jax.core.layer_table import LayerTable
 
 KINDS = ("parameter", "input", "shared", "compressed", "dense")
 # How format() prints the path "": computed (or read) outside any submodule, by the loss function
@@ -74,9 +78,11 @@ class ReportRow:
 
 @dataclasses.dataclass(frozen=True)
 class ResidualReport:
-    """The residuals of a loss's VJP, in program order, with totals by kind."""
+    """The residuals of a loss's VJP, in program order, with totals by kind; ``layers``: the
+    per-layer table of what the traced call's layers resolved."""
 
     rows: tuple[ReportRow, ...]
+    layers: LayerTable = LayerTable(())
 
     @property
     def total(self) -> int:
@@ -118,7 +124,7 @@ class ResidualReport:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.format()
+        return self.format() + (f"\n\n{self.layers}" if self.layers else "")
 
 
 _TRANSFORM = re.compile(r"^\w+\((.*)\)$")
@@ -271,7 +277,7 @@ def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> Residual
         return residuals
 
     found_roots: set[str] = set()
-    with _recording_roots(found_roots), _naming_nnx_modules():
+    with _recording_roots(found_roots), _naming_nnx_modules(), collecting() as layers:
         closed = jax.make_jaxpr(forward)(params, *args)
     roots = frozenset(found_roots)
     fwd = closed.jaxpr
@@ -310,4 +316,4 @@ def residual_report(fn: Callable[..., Any], params: Any, *args: Any) -> Residual
     for v in fwd.outvars:
         if isinstance(v, jex.core.Literal):  # a constant the closure holds, e.g. a scalar
             rows.append(ReportRow("", "dense", tuple(v.aval.shape), str(v.aval.dtype), _aval_bytes(v), ()))
-    return ResidualReport(tuple(rows))
+    return ResidualReport(tuple(rows), layers.table())

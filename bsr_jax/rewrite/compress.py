@@ -1,5 +1,9 @@
 """``compress_model(model, rules)``: block-pruned residuals for any Flax model, unmodified.
 
+``rules`` are resolved once per layer (``bsr_jax.rewrite.rules.resolve``): linen layers when traced,
+NNX layers here, into the per-layer table ``bsr_jax.layer_table`` returns; given such a
+``LayerTable`` instead, ``compress_model`` applies its rows as they are, by exact path.
+
 Linen: the returned module is the same model (same class behaviour, attributes, ``init``/``apply``
 arguments and parameter tree) whose ``apply`` runs with the rules active. Each ``nn.Dense`` /
 ``nn.DenseGeneral`` (and subclasses, e.g. ones overriding ``param``) whose path a rule matches gets
@@ -58,6 +62,7 @@ from bsr_jax.ops.layers import PrunedModule
 from bsr_jax.ops.linear import is_linear_dims, merge_contracted, pruned_dot_general
 from bsr_jax.rewrite.rules import Rule
 from bsr_jax.core.layer_choice import NO_MATCH
+from bsr_jax.core.layer_table import LayerRow, LayerTable
 from bsr_jax.storage.compression import Compression
 
 ROUTED_LINEN = (nn.Dense, nn.DenseGeneral)
@@ -183,7 +188,7 @@ def _route_linen(shared: _SharedBlocks):
 
 
 @contextlib.contextmanager
-def compressing(rules: Sequence[Rule], *, lean: bool = True) -> Iterator[_SharedBlocks]:
+def compressing(rules: rules_lib.Rules, *, lean: bool = True) -> Iterator[_SharedBlocks]:
     """The context ``compress_model``'s linen modules apply under (usable around any linen apply)."""
     shared = _SharedBlocks()
     lean_context = lean_ops.lean_neighbours() if lean else contextlib.nullcontext()
@@ -191,7 +196,7 @@ def compressing(rules: Sequence[Rule], *, lean: bool = True) -> Iterator[_Shared
         yield shared
 
 
-def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, treatment: lean_graph.Treatment | None,
+def _linen_compressed(model: nn.Module, rules: rules_lib.Rules, lean: bool, treatment: lean_graph.Treatment | None,
                       loss_chunk: int | None) -> nn.Module:  # fmt: skip
     """``lean``: inside ``bsr_jax.rewrite.lean``'s context; ``treatment``: evaluated by ``lean_graph``;
     ``loss_chunk``: inside ``bsr_jax.ops.head_loss``'s."""
@@ -221,50 +226,53 @@ def _linen_compressed(model: nn.Module, rules: tuple[Rule, ...], lean: bool, tre
     return cls(**fields)
 
 
-def _route_nnx_module(module: nnx.Module, compression: Compression, name: str) -> None:
-    """Give one matched NNX layer its compressing product, or report why it stays dense."""
-    if isinstance(module, REPORTED_NNX):
-        layer_choice.report_dense(name, f"{type(module).__name__} is not routed (nnx.Linear, nnx.LinearGeneral, nnx.Conv and subclasses are)")
-    elif isinstance(module, ROUTED_NNX_CONV):
-        if module.conv_general_dilated is not lax.conv_general_dilated:
-            layer_choice.report_dense(name, "the module has its own conv_general_dilated")
-        else:
-            module.conv_general_dilated = _compressing_conv(compression, None, name)
-    elif not isinstance(compression, Pruning):
-        layer_choice.report_dense(name, f"{type(module).__name__} is not a convolution, and Pooling compresses convolution inputs only")
-    else:
-        module.dot_general = _compressing_dot_general(compression, None, None, name)
-
-
-def _nnx_compress(model: nnx.Module, rules: tuple[Rule, ...], lean: bool) -> nnx.Module:
-    matched: set[int] = set()
-    patterns = [rule.pattern for rule in rules]
-    for name, module in layer_choice.nnx_module_paths(model):
+def _nnx_table(model: nnx.Module, rules: rules_lib.Rules) -> LayerTable:
+    """``rules`` resolved for each routed NNX layer, in module order (NNX layers are routed before
+    any trace): the table ``_nnx_compress`` applies, dense layers (with why) included."""
+    rows, matched = [], set()
+    for path, module in layer_choice.nnx_module_paths(model):
         if not isinstance(module, (*ROUTED_NNX, ROUTED_NNX_CONV, REPORTED_NNX)):
             continue
-        i = rules_lib.first_match(patterns, name)
-        if i is None:
-            continue
-        matched.add(i)
-        compression = rules[i].compression
-        if compression is None:
-            continue
-        if compression.needs_key:
-            raise ValueError(f"{name}: stochastic pruning/rounding needs the linen path (NNX has no pruning rng here)")
-        _route_nnx_module(module, compression, name)
-    unmatched = [rules[i].pattern for i in range(len(rules)) if i not in matched]
-    if unmatched:
-        raise ValueError(f"rule pattern(s) {unmatched} matched no nnx.Linear / nnx.LinearGeneral / nnx.Conv")
-    if lean:
-        # NNX modules are called directly, outside any context of ours: the root's class becomes a
-        # subclass whose __call__ runs inside lean_neighbours (split/merge keep the subclass).
-        base = type(model)
+        i, compression, reason = rules_lib.resolve(rules, path, module, isinstance(module, (ROUTED_NNX_CONV, REPORTED_NNX)))
+        if i is not None:
+            matched.add(i)
+        compression = None if compression is NO_MATCH else compression
+        if compression is not None and isinstance(module, REPORTED_NNX):
+            reason = f"{type(module).__name__} is not routed (nnx.Linear, nnx.LinearGeneral, nnx.Conv and subclasses are)"
+        elif compression is not None and isinstance(module, ROUTED_NNX_CONV) and module.conv_general_dilated is not lax.conv_general_dilated:
+            reason = "the module has its own conv_general_dilated"
+        if reason is not None:
+            layer_choice.report_dense(path, reason)
+            compression = None
+        elif compression is not None and compression.needs_key:
+            raise ValueError(f"{path}: stochastic pruning/rounding needs the linen path (NNX has no pruning rng here)")
+        rows.append(LayerRow(path, type(module).__name__, compression, reason))
+    error = rules_lib.unmatched_error(rules, matched, "nnx.Linear / nnx.LinearGeneral / nnx.Conv")
+    if error is not None:
+        raise error
+    return LayerTable(tuple(rows))
 
-        def __call__(self, *args, **kwargs):
-            with lean_ops.lean_neighbours():
-                return base.__call__(self, *args, **kwargs)
 
-        model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+def _nnx_compress(model: nnx.Module, rules: rules_lib.Rules, lean: bool) -> nnx.Module:
+    table = _nnx_table(model, rules)
+    modules = dict(layer_choice.nnx_module_paths(model))
+    for row in table:
+        if isinstance(modules[row.path], ROUTED_NNX_CONV) and row.compression is not None:
+            modules[row.path].conv_general_dilated = _compressing_conv(row.compression, None, row.path)
+        elif row.compression is not None:
+            modules[row.path].dot_general = _compressing_dot_general(row.compression, None, None, row.path)
+    # NNX modules are called directly, outside any context of ours: the root's class becomes a
+    # subclass whose __call__ shows the table to a collecting trace (layer_table, residual_report)
+    # and, with lean, runs inside lean_neighbours (split/merge keep the subclass).
+    base = type(model)
+
+    def __call__(self, *args, **kwargs):
+        for row in table:
+            layer_choice.resolved(row.path, row.layer, row.reason)
+        with lean_ops.lean_neighbours() if lean else contextlib.nullcontext():
+            return base.__call__(self, *args, **kwargs)
+
+    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
     return model
 
 
@@ -285,7 +293,7 @@ def _modes(lean: bool | Sequence[tuple[str, bool]], remat: Sequence[tuple[str, A
     return tuple(modes)
 
 
-def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool | Sequence[tuple[str, bool]] = True,
+def compress_model(model: Any, rules: Rule | Sequence[Rule] | LayerTable, *, lean: bool | Sequence[tuple[str, bool]] = True,
                    dx: lean_graph.DxRules = None, remat: Sequence[tuple[str, Callable[..., bool] | None]] = (),
                    loss_chunk: int | None = None) -> Any:  # fmt: skip
     """``model`` with block-pruned residuals where ``rules`` say (first match by module path).
@@ -293,7 +301,9 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule], *, lean: bool | Seq
     Args:
       model: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module``.
       rules: ``bsr_jax.Rule(pattern, compression)``s, or one; e.g. ``[Rule("*", Pruning(0.7, block=16))]``;
-        at least one (an empty list is a ``ValueError``).
+        at least one (an empty list is a ``ValueError``). Or a ``bsr_jax.LayerTable`` (from
+        ``bsr_jax.layer_table`` or ``Plan.table``): each layer keeps what its row says, found by
+        exact path; a row naming a layer the model does not have is a ``ValueError``.
       lean: also make norms, activations and attention keep less (exact; ``bsr_jax.rewrite.lean``); or
         ``[(pattern, bool), ...]`` by module path, first match (unmatched: lean), linen only:
         ``[("blocks_0/*", False)]`` leaves what ``blocks_0``'s submodules keep to XLA (then only

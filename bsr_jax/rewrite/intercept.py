@@ -44,7 +44,6 @@ from jax.extend import core as jax_core
 
 from bsr_jax.core import layer_choice
 from bsr_jax.core.jax_private import tensor_contractions
-from bsr_jax.storage.pruning import Pruning
 from bsr_jax.ops.linear import linear_dims, merge_contracted, pruned_dot_general
 from bsr_jax.core.patching import ProcessWidePatch
 
@@ -150,9 +149,8 @@ def _routed(lhs, rhs, dims, precision, extra: dict[str, Any]):
     (contract_l, contract_r), batch = dims
     x, w, x_axes, w_axes = (lhs, rhs, contract_l, contract_r) if rhs_param else (rhs, lhs, contract_r, contract_l)
     x_axes, w_axes = tuple(int(a) for a in x_axes), tuple(int(a) for a in w_axes)
-    if not isinstance(compression, Pruning):
-        reason = "Pooling compresses convolution inputs only"
-    elif batch != ((), ()) and any(batch):
+    # A Pooling rule resolves to dense for these modules (rules.resolve: they are not nn.Convs).
+    if batch != ((), ()) and any(batch):
         reason = f"dot_general {dims} has batch axes (not a linear map on the parameter)"
     elif extra.get("out_sharding") is not None or extra.get("preferred_element_type") not in (None, x.dtype):
         reason = f"the product sets {extra}"

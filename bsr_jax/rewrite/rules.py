@@ -14,6 +14,11 @@ Compressions: ``Pruning`` (any linear layer or convolution) and ``Pooling`` (con
 A layer a rule matches but cannot honour (a ``Pooling`` rule on a Dense layer, a conv
 configuration the compressed convolution does not cover) stays dense and is reported with a
 ``UserWarning`` naming its path and why (``report_dense``), never silently.
+
+Resolved once: ``resolve`` is the one function turning rules (or a ``LayerTable``'s rows, by exact
+path) into what a layer keeps, for linen at trace time (``use_rules``, once per path and trace)
+and for NNX when ``compress_model`` routes; what each layer resolved is collected into a
+``LayerTable`` (``layer_table``), which ``compress_model`` applies as it is.
 """
 
 from __future__ import annotations
@@ -21,15 +26,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
-import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from bsr_jax.core import layer_choice
+from bsr_jax.core.layer_table import LayerRow, LayerTable
 from bsr_jax.storage.compression import Compression
 from bsr_jax.storage.pooling import Pooling
 
@@ -49,12 +53,18 @@ class Rule:
             raise ValueError(f"Rule compression must be a bsr_jax.Pruning, a bsr_jax.Pooling or None, got {self.compression!r}")
 
 
-def as_rules(rules: Rule | Sequence[Rule], argument: str = "rules") -> tuple[Rule, ...]:
-    """``rules`` as a tuple: one ``Rule`` or a sequence of them (the one check every entry point uses)."""
+Rules = tuple[Rule, ...] | LayerTable  # what resolves: rules by glob, or a table's rows by exact path
+
+
+def as_rules(rules: Rule | Sequence[Rule] | LayerTable, argument: str = "rules") -> Rules:
+    """``rules`` as a tuple: one ``Rule`` or a sequence of them (the one check every entry point
+    uses); a ``LayerTable`` as it is."""
+    if isinstance(rules, LayerTable):
+        return rules
     if isinstance(rules, Rule):
         return (rules,)
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
-        raise TypeError(f"{argument} must be a bsr_jax.Rule or a list of them, got {type(rules).__name__}")
+        raise TypeError(f"{argument} must be a bsr_jax.Rule or a list of them (or a bsr_jax.LayerTable), got {type(rules).__name__}")
     for rule in rules:
         if not isinstance(rule, Rule):
             raise ValueError(f"{argument} must be bsr_jax.Rule objects, got {rule!r}")
@@ -66,118 +76,103 @@ def first_match(patterns: Sequence[str], path: str) -> int | None:
     return next((i for i, pattern in enumerate(patterns) if fnmatch.fnmatchcase(path, pattern)), None)
 
 
+def resolve(rules: Rules, path: str, module: Any, conv: bool) -> tuple[int | None, Any, str | None]:
+    """What the layer ``module`` at ``path`` keeps under ``rules``: ``(i, compression, reason)``,
+    ``i`` the first matching rule, or for a table its row of exactly ``path`` (``None`` and
+    ``NO_MATCH`` where none matches); ``reason``, where a compression asked for cannot be kept
+    (``compression`` is then ``None``): a ``Pooling`` on a layer that is not a convolution
+    (``conv``), pooling being defined for convolution inputs only, or a table row's own (so an
+    applied table resolves to itself)."""
+    if isinstance(rules, LayerTable):
+        i = rules.index(path)
+        if i is not None and rules[i].reason is not None:
+            return i, None, rules[i].reason
+    else:
+        i = first_match([rule.pattern for rule in rules], path)
+    if i is None:
+        return None, layer_choice.NO_MATCH, None
+    compression = rules[i].compression
+    if isinstance(compression, Pooling) and not conv:
+        return i, None, f"{type(module).__name__} is not a convolution, and Pooling compresses convolution inputs only"
+    return i, compression, None
+
+
+def unmatched_error(rules: Rules, matched: set[int], layers: str = "layer") -> ValueError | None:
+    """The error naming the rules (a table's paths) that matched no layer, or ``None``: a typo
+    never silently leaves a model dense, nor a table row a layer it does not have."""
+    if isinstance(rules, LayerTable):
+        unmatched = list(dict.fromkeys(row.path for i, row in enumerate(rules) if rules.index(row.path) not in matched))
+        return ValueError(f"table row(s) for {unmatched} match no {layers} of the model (a table applies to the model it was made for)") if unmatched else None
+    unmatched = [rules[i].pattern for i in range(len(rules)) if i not in matched]
+    return ValueError(f"rule pattern(s) {unmatched} matched no {layers}; check the module paths (bsr_jax.layer_table lists them)") if unmatched else None
+
+
 @dataclasses.dataclass
 class _Active:
-    """The ``layer_choice.Resolver`` of a ``use_rules`` context: the first matching rule's compression."""
+    """The ``layer_choice.Resolver`` of a ``use_rules`` context: ``resolve`` of each path, once."""
 
-    rules: tuple[Rule, ...]
+    rules: Rules
     matched: set[int]
-    plan: list[LayerPlan] | None = None
     # Path of the module calling a nested ``submodule.apply(...)``, by the nested root's scope:
     # modules under it are named from there (``lm_head``, not the nested root's ``''``).
     prefixes: dict[int, tuple[Any, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    resolved: dict[str, Any] = dataclasses.field(default_factory=dict)  # path -> its compression, this trace
 
     def resolve(self, module: Any, path: str) -> Any:
-        """A ``Pooling`` rule resolves to ``None`` (dense, reported) for modules that are not
-        ``nn.Conv``s: pooling is defined for convolution inputs only."""
-        i = first_match([rule.pattern for rule in self.rules], path)
-        if i is None:
-            return layer_choice.NO_MATCH
-        self.matched.add(i)
-        compression = self.rules[i].compression
-        if isinstance(compression, Pooling) and not isinstance(module, nn.Conv):
-            if not module.is_initializing():
-                layer_choice.report_dense(path, f"{type(module).__name__} is not a convolution, and Pooling compresses convolution inputs only")
-            return None
-        return compression
-
-    def record(self, path: str, compression: Compression, x: Any) -> None:
-        if self.plan is not None:
-            self.plan.append(LayerPlan(path, compression, jax.ShapeDtypeStruct(x.shape, x.dtype)))
+        if path not in self.resolved:
+            i, compression, reason = resolve(self.rules, path, module, isinstance(module, nn.Conv))
+            if i is not None:
+                self.matched.add(i)
+            if reason is not None and not module.is_initializing():
+                layer_choice.report_dense(path, reason)
+            self.resolved[path] = compression
+        return self.resolved[path]
 
 
 @contextlib.contextmanager
-def use_rules(rules: Rule | Sequence[Rule]) -> Iterator[None]:
+def use_rules(rules: Rule | Sequence[Rule] | LayerTable) -> Iterator[None]:
     """Within the context, bsr_jax layers (and layers routed by ``compress_model``) take their
-    compression from ``rules`` (one ``Rule`` or a list). Raises ``ValueError`` on exit when a rule
-    matched no layer."""
+    compression from ``rules`` (one ``Rule``, a list, or a ``LayerTable`` applied by exact path).
+    Raises ``ValueError`` on exit when a rule (a table row) matched no layer."""
     rules = as_rules(rules)
     outer = layer_choice.active()
-    # An inner context (a compressed model's apply inside pruning_plan) records into the outer plan;
-    # with the same rules it also counts the outer's matches (pruning_plan given the model's rules).
+    # An inner context with the same rules (a compressed model's apply inside layer_table given the
+    # model's rules) also counts the outer's matches, and nested roots keep their prefixes.
     matched = outer.matched if outer is not None and outer.rules == rules else set()
-    active = _Active(rules, matched, outer.plan if outer else None, outer.prefixes if outer else {})
+    active = _Active(rules, matched, outer.prefixes if outer else {})
     with layer_choice.resolving(active):
         yield
-    unmatched = [rules[i].pattern for i in range(len(rules)) if i not in active.matched]
-    if unmatched:
-        raise ValueError(f"rule pattern(s) {unmatched} matched no layer; check the module paths (bsr_jax.pruning_plan lists them)")
+    error = unmatched_error(rules, active.matched)
+    if error is not None:
+        raise error
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerPlan:
-    """One compressed call: the module path, its resolved compression and the input's shape/dtype."""
-
-    path: str
-    compression: Compression
-    input: jax.ShapeDtypeStruct
-
-
-@dataclasses.dataclass(frozen=True)
-class PruningPlan(Sequence[LayerPlan]):
-    """What ``pruning_plan`` found: the compressing calls in call order (indexable and iterable like
-    the list earlier versions returned); ``str()`` is a table with each input's bytes, dense and as
-    kept for the backward pass."""
-
-    layers: tuple[LayerPlan, ...]
-
-    @overload
-    def __getitem__(self, i: int) -> LayerPlan: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[LayerPlan, ...]: ...
-    def __getitem__(self, i):
-        return self.layers[i]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __str__(self) -> str:
-        rows = [("module path", "compression", "input", "dense KiB", "kept KiB")]
-        for layer in self.layers:
-            shape = f"{layer.input.dtype}[{','.join(map(str, layer.input.shape))}]"
-            dense = math.prod(layer.input.shape) * jnp.dtype(layer.input.dtype).itemsize
-            rows.append((layer.path or "-", _describe(layer.compression), shape, f"{dense / 1024:.1f}", f"{_kept_bytes(layer) / 1024:.1f}"))
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-        return "\n".join([*lines, f"{len(self.layers)} compressed call(s)"])
+def layer_table(apply_fn: Callable[..., Any], *args: Any, rules: Rule | Sequence[Rule] | LayerTable = (), **kwargs: Any) -> LayerTable:
+    """What each layer of ``apply_fn(*args, **kwargs)`` resolves, in call order (traced with
+    ``jax.eval_shape``; nothing runs): every layer a rule can name (``compress_model``'s routed
+    layers, bsr_jax layers, custom layers with products on parameters), compressed or dense, with
+    the reason where a rule asked for a compression it cannot keep. ``rules``: applied around the
+    call (a ``compress_model`` model's ``apply`` brings its own; passing the same rules again is
+    fine). ``compress_model(model, table)`` applies the table as it is."""
+    rules = as_rules(rules)
+    with layer_choice.collecting() as collector, use_rules(rules) if rules else contextlib.nullcontext():
+        jax.eval_shape(apply_fn, *args, **kwargs)
+    return collector.table()
 
 
-def _describe(compression: Compression) -> str:
-    """The compression's fields that differ from their defaults: ``Pruning(0.7, block=(8, 8))``."""
-    fields = dataclasses.fields(compression)
-    first, rest = getattr(compression, fields[0].name), fields[1:]
-    defaults = type(compression)(first)
-    changed = [f"{f.name}={getattr(compression, f.name)!r}" for f in rest if getattr(compression, f.name) != getattr(defaults, f.name)]
-    return f"{type(compression).__name__}({', '.join([repr(first), *changed])})"
+LayerPlan = LayerRow  # pruning_plan's rows: the table's (``path``, ``compression``, ``input``)
 
 
-def _kept_bytes(layer: LayerPlan) -> int:
-    """Bytes of ``compression.compress(input)`` (shapes only; a stochastic one drawn with a dummy key)."""
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if layer.compression.needs_key else None
-    kept = jax.eval_shape(layer.compression.compress, layer.input, key)
-    return kept.nbytes
+class PruningPlan(LayerTable):
+    """What ``pruning_plan`` found: the compressing calls of a ``LayerTable``, in call order
+    (indexable and iterable like the list earlier versions returned; ``layers``: the rows)."""
+
+    @property
+    def layers(self) -> tuple[LayerRow, ...]:
+        return self.rows
 
 
 def pruning_plan(apply_fn: Callable[..., Any], *args: Any, rules: Rule | Sequence[Rule] = (), **kwargs: Any) -> PruningPlan:
-    """What each compressing layer of ``apply_fn(*args, **kwargs)`` resolves, in call order
-    (traced with ``jax.eval_shape``; nothing runs). Layers that stay dense are left out. ``rules``:
-    applied around the call (a ``compress_model`` model's ``apply`` brings its own; passing the same
-    rules again is fine)."""
-    outer = layer_choice.active()
-    rules = as_rules(rules, "rules") or (outer.rules if outer else ())
-    with use_rules(rules):
-        active = layer_choice.active()
-        active.plan = []
-        jax.eval_shape(apply_fn, *args, **kwargs)
-        plan = active.plan
-    return PruningPlan(tuple(layer for layer in plan if layer.compression.saves_memory(layer.input)))
+    """``layer_table(apply_fn, *args, rules=rules, **kwargs)``'s compressing calls: the layers that
+    stay dense (or keep their input: a compression that would not save bytes) are left out."""
+    return PruningPlan(tuple(row for row in layer_table(apply_fn, *args, rules=rules, **kwargs) if row.compresses))

@@ -81,8 +81,9 @@ def test_module_path_removes_transform_wrappers_and_lifted_repeats():
 def test_format_groups_by_path_and_kind():
     report, _ = block_report()
     text = str(report)
-    assert text == report.format()
-    lines = text.splitlines()
+    assert text == f"{report.format()}\n\n{report.layers}"  # then the per-layer table: bsr_jax.Dense's row
+    assert [(row.path, row.compresses) for row in report.layers] == [("Dense_0", True)]
+    lines = report.format().splitlines()
     legend = any(r.path == "" or "" in r.readers for r in report.rows)  # the "(top level): ..." line
     assert len(lines) == 1 + len(report.by_path()) + legend + 1
     assert any(line.startswith("Dense_0") and " compressed " in line for line in lines)
