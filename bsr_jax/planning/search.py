@@ -58,6 +58,7 @@ from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, check_tar
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
+from bsr_jax.rewrite.rules import LayerTable, layer_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +93,9 @@ class Plan:
     loss is chunked; ``peak``/``modelled_seconds``: its compiled step on
     ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy;
     ``None`` where the dense step fits and nothing else was compiled); ``tried``: every candidate
-    compiled, in order. Its ``str`` is a table marking every approximate choice with its
-    documented error."""
+    compiled, in order; ``table``: the chosen model's per-layer ``LayerTable`` (``compress_model``
+    applies it as is). Its ``str`` is a table marking every approximate choice with its documented
+    error, then ``table``."""
 
     model: nn.Module | nnx.Module
     loss_fn: Callable[..., jax.Array]
@@ -106,6 +108,7 @@ class Plan:
     remat: Measured | None
     tried: tuple[Measured, ...]
     compiled: CompiledStep = dataclasses.field(repr=False)
+    table: LayerTable = dataclasses.field(default=LayerTable(()), repr=False)
 
     @property
     def label(self) -> str:
@@ -130,7 +133,7 @@ class Plan:
         lines.append(f"    {'everything else':<40} {self.choices[REST]}{note(self.choices[REST])}")
         if LOSS in self.choices:
             lines.append(f"    {'the loss':<40} chunked (use plan.loss_fn)")
-        return "\n".join(lines)
+        return "\n".join(lines) + (f"\n\n{self.table}" if self.table else "")
 
 class Family(Protocol):
     """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planning.nnx.Nnx``)
@@ -386,8 +389,11 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
 def _plan(family: Family, search: _Search, loss_fns: Mapping[str, Callable[..., jax.Array]], key: tuple, limit: float, target: str,
           dense: Measured, remat: Measured | None) -> Plan:  # fmt: skip
     (chosen, compiled), (choices, rest, loss) = search.cache[key], key
-    return Plan(model=family.assemble(choices, rest), loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
-                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled)  # fmt: skip
+    model = family.assemble(choices, rest)
+    # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
+    table = layer_table(family.step(model, search.optimizer, loss_fns[loss]), family.state, search.opt_state, *search.batch)
+    return Plan(model=model, loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
+                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, table=table)  # fmt: skip
 
 
 __all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]

@@ -157,6 +157,21 @@ def test_plan_fits_its_budget_and_keeps_the_model(target, compiled):
     assert "remat per block" in str(plan) and "blocks_0" in str(plan)
 
 
+def test_the_plan_prints_its_per_layer_table_which_applies_as_is(compiled):
+    """Issue 43: ``Plan.table`` is the chosen step's resolved table (traced, not compiled)."""
+    net = Net()
+    plan = planner.plan(net, _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.99, target="h100", cache=compiled,
+                        **(FEW | dict(options=("int8",))))  # fmt: skip
+    int8 = [block for block, name in plan.choices.items() if name == "int8"]
+    assert int8 and str(plan).endswith(f"\n\n{plan.table}")
+    assert {row.path for row in plan.table if row.compresses} == {f"{block}/Dense_{i}" for block in int8 for i in (0, 1)}
+    x, y = X[:8], jnp.arange(8) % 10
+    v = net.init(jax.random.key(1), x)
+    grads = lambda module: jax.grad(lambda p: _labels_loss(module, {"params": p}, x, y))(v["params"])  # noqa: E731
+    # The table alone (without the plan's lean neighbours, which are exact) gives the plan's gradients.
+    chex.assert_trees_all_close(grads(bsr_jax.compress_model(net, plan.table, lean=False)), grads(plan.model), rtol=1e-5, atol=1e-7)
+
+
 def test_an_infeasible_budget_names_the_smallest_peak(compiled):
     with pytest.raises(ValueError, match=r"no candidate fits the budget of 0 MiB on h100; the smallest compiled peak was [\d,]+ MiB"):
         planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1KiB", target="h100", cache=compiled, **FEW)
