@@ -73,8 +73,8 @@ class LayerTable(Sequence[LayerRow]):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def index(self, path: str) -> int | None:  # type: ignore[override]  (Sequence.index finds a row)
-        """The first row of exactly ``path`` (no globbing), or ``None``."""
+    def find(self, path: str) -> int | None:
+        """The index of the first row of exactly ``path`` (no globbing), or ``None``."""
         return next((i for i, row in enumerate(self.rows) if row.path == path), None)
 
     def __str__(self) -> str:

@@ -7,8 +7,8 @@
 A path is the '/'-joined names of a Flax module (``"Encoder/block0/MlpBlock_0/Dense_1"``), matched
 with ``fnmatch`` globs; the first matching rule wins; a rule whose compression is ``None`` leaves
 the layer dense; a layer no rule matches keeps its own options (``bsr_jax.Dense(...,
-sparsity=0.7)``) or, routed by ``compress_model``, stays dense. A rule that matches no layer of a
-traced call is an error naming it, so a typo never silently leaves a model dense.
+sparsity=0.7)``) or, routed by ``compress_model``, stays dense. A rule (a table row) that matches
+no layer of a traced call is an error naming it, so a typo never silently leaves a model dense.
 
 Compressions: ``Pruning`` (any linear layer or convolution) and ``Pooling`` (convolutions only).
 A layer a rule matches but cannot honour (a ``Pooling`` rule on a Dense layer, a conv
@@ -84,7 +84,7 @@ def resolve(rules: Rules, path: str, module: Any, conv: bool) -> tuple[int | Non
     (``conv``), pooling being defined for convolution inputs only, or a table row's own (so an
     applied table resolves to itself)."""
     if isinstance(rules, LayerTable):
-        i = rules.index(path)
+        i = rules.find(path)
         if i is not None and rules[i].reason is not None:
             return i, None, rules[i].reason
     else:
@@ -101,7 +101,7 @@ def unmatched_error(rules: Rules, matched: set[int], layers: str = "layer") -> V
     """The error naming the rules (a table's paths) that matched no layer, or ``None``: a typo
     never silently leaves a model dense, nor a table row a layer it does not have."""
     if isinstance(rules, LayerTable):
-        unmatched = list(dict.fromkeys(row.path for i, row in enumerate(rules) if rules.index(row.path) not in matched))
+        unmatched = list(dict.fromkeys(row.path for row in rules if rules.find(row.path) not in matched))
         return ValueError(f"table row(s) for {unmatched} match no {layers} of the model (a table applies to the model it was made for)") if unmatched else None
     unmatched = [rules[i].pattern for i in range(len(rules)) if i not in matched]
     return ValueError(f"rule pattern(s) {unmatched} matched no {layers}; check the module paths (bsr_jax.layer_table lists them)") if unmatched else None
