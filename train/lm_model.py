@@ -4,13 +4,17 @@ Layout, for tokens ``(B, T)`` int32 -> logits ``(B, T, V)`` float32::
 
     x = embed(tokens)                                       # (B, T, D), params f32, cast to dtype
     for each layer:                                         # Python loop or nn.scan
-        x = x + o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))   # causal, H heads
+        x = x + o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))   # causal, H heads, KV key/value heads
         x = x + down(silu(gate(n2(x))) * up(n2(x)))          # SwiGLU MLP
     logits = head(norm(x))                                  # or embed.attend (tied)
 
 Norms are a hand-written RMSNorm (statistics in f32), the MLP a hand-written ``silu(gate) * up``,
-attention a hand-written causal softmax in f32: the forms ``bsr_jax.compress_model``'s lean pass
-has to recognise by what they compute (``bsr_jax.rewrite.lean_graph``), as it will in users' models.
+attention (``attention="xla"``) a hand-written causal softmax in f32: the forms
+``bsr_jax.compress_model``'s lean pass has to recognise by what they compute
+(``bsr_jax.rewrite.lean_graph``), as it will in users' models. ``attention="flash"`` runs
+``jax.nn.dot_product_attention`` instead (cuDNN's flash attention on a GPU; ``train.lm_attention``).
+With ``kv_heads`` below ``heads``, attention is grouped-query (Llama 3's): k and v have ``kv_heads``
+heads, each serving ``heads / kv_heads`` query heads.
 Every linear layer is an ``nn.Dense`` without bias; ``compress_model`` routes them by path
 (``layer_3/attn/q``; under ``nn.scan`` one path for all layers, ``layers/attn/q``, its parameters
 stacked on a leading axis). Computation runs in ``dtype`` (bf16 by default) with f32 parameters.
@@ -30,6 +34,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from train.lm_attention import attention_fn
+
 _init = nn.initializers.normal(stddev=0.02)
 
 
@@ -37,7 +43,8 @@ _init = nn.initializers.normal(stddev=0.02)
 class LMShape:
     """A model's sizes: ``dim`` D, ``depth`` layers, ``heads`` H (head dim D / H), SwiGLU ``hidden``,
     ``vocab_size`` V (taken from the tokenizer when training; the preset's for compiled memory),
-    ``seq_len`` T (the preset's default context)."""
+    ``seq_len`` T (the preset's default context), ``kv_heads`` KV key/value heads (dividing H;
+    None: H, multi-head attention, which stays so when H is overridden)."""
 
     dim: int
     depth: int
@@ -45,6 +52,12 @@ class LMShape:
     hidden: int
     vocab_size: int
     seq_len: int
+    kv_heads: int | None = None
+
+    @property
+    def kv(self) -> int:
+        """The number of key/value heads."""
+        return self.kv_heads or self.heads
 
 
 def swiglu_hidden(dim: int, multiple: int = 64) -> int:
@@ -89,30 +102,23 @@ def rope(x: jax.Array, base: float = 10000.0) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Softmax attention of ``q, k, v (B, T, H, Dh)``, each position attending to itself and earlier
-    ones; scores and softmax in f32, output ``(B, T, H, Dh)`` in q's dtype."""
-    seq_len, head_dim = q.shape[1], q.shape[3]
-    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((seq_len, seq_len), jnp.bool_))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhts,bshd->bthd", probs, v)
-
-
 class Attention(nn.Module):
     heads: int
     depth: int  # of the whole model: the output projection's init is scaled by 1 / sqrt(2 depth)
     dtype: Any = None
+    kv_heads: int | None = None  # None: heads
+    attention: str = "xla"  # train.lm_attention.ATTENTIONS
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, seq_len, dim = x.shape
-        dense = lambda name, init=_init: nn.Dense(dim, use_bias=False, dtype=self.dtype, kernel_init=init, name=name)
-        split = lambda y: y.reshape(batch, seq_len, self.heads, dim // self.heads)
-        q, k, v = (split(dense(name)(x)) for name in ("q", "k", "v"))
-        y = causal_attention(rope(q), rope(k), v).reshape(batch, seq_len, dim)
-        return dense("o", nn.initializers.normal(0.02 / math.sqrt(2 * self.depth)))(y)
+        head_dim, kv_heads = dim // self.heads, self.kv_heads or self.heads
+        dense = lambda features, name, init=_init: nn.Dense(features, use_bias=False, dtype=self.dtype, kernel_init=init, name=name)
+        split = lambda y: y.reshape(batch, seq_len, -1, head_dim)
+        q = split(dense(dim, "q")(x))
+        k, v = (split(dense(kv_heads * head_dim, name)(x)) for name in ("k", "v"))
+        y = attention_fn(self.attention)(rope(q), rope(k), v).reshape(batch, seq_len, dim)
+        return dense(dim, "o", nn.initializers.normal(0.02 / math.sqrt(2 * self.depth)))(y)
 
 
 class SwiGLU(nn.Module):
@@ -134,10 +140,13 @@ class Layer(nn.Module):
     hidden: int
     depth: int
     dtype: Any = None
+    kv_heads: int | None = None
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
-        x = x + Attention(self.heads, self.depth, self.dtype, name="attn")(RMSNorm(dtype=self.dtype, name="norm1")(x))
+        attn = Attention(self.heads, self.depth, self.dtype, self.kv_heads, self.attention, name="attn")
+        x = x + attn(RMSNorm(dtype=self.dtype, name="norm1")(x))
         x = x + SwiGLU(self.hidden, self.depth, self.dtype, name="mlp")(RMSNorm(dtype=self.dtype, name="norm2")(x))
         return x, None
 
@@ -156,6 +165,7 @@ class LM(nn.Module):
     scan: bool = False
     remat: bool = False
     dtype: Any = jnp.bfloat16
+    attention: str = "xla"  # or "flash": train.lm_attention
 
     @nn.compact
     def __call__(self, tokens: jax.Array, features_only: bool = False) -> jax.Array:
@@ -165,10 +175,10 @@ class LM(nn.Module):
         layer = nn.remat(Layer) if self.remat else Layer
         if self.scan:
             stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True, "pruning": True}, length=s.depth)
-            x, _ = stack(s.heads, s.hidden, s.depth, self.dtype, name="layers")(x, None)
+            x, _ = stack(s.heads, s.hidden, s.depth, self.dtype, s.kv_heads, self.attention, name="layers")(x, None)
         else:
             for i in range(s.depth):
-                x, _ = layer(s.heads, s.hidden, s.depth, self.dtype, name=f"layer_{i}")(x, None)
+                x, _ = layer(s.heads, s.hidden, s.depth, self.dtype, s.kv_heads, self.attention, name=f"layer_{i}")(x, None)
         x = RMSNorm(dtype=self.dtype, name="norm")(x)
         if features_only:
             return x
@@ -185,5 +195,6 @@ def head_kernel(params: dict[str, Any], tie: bool) -> jax.Array:
 def num_params(shape: LMShape, tie: bool = False) -> int:
     """Parameter count of ``LM(shape, tie)``, from the shapes (nothing runs)."""
     d, v = shape.dim, shape.vocab_size
-    layer = 4 * d * d + 3 * d * shape.hidden + 2 * d
+    kv_dim = d // shape.heads * shape.kv
+    layer = 2 * d * d + 2 * d * kv_dim + 3 * d * shape.hidden + 2 * d
     return v * d * (1 if tie else 2) + shape.depth * layer + d

@@ -16,7 +16,8 @@ from jax.extend import core as jex_core
 import bsr_jax
 from bsr_jax import Pruning, Rule
 from train import lm_config, lm_data
-from train.lm_model import LM, PRESETS, LMShape, causal_attention, num_params
+from train.lm_attention import causal_attention
+from train.lm_model import LM, PRESETS, LMShape, num_params
 
 TINY = LMShape(dim=32, depth=3, heads=2, hidden=64, vocab_size=97, seq_len=16)
 TOKENS = jax.random.randint(jax.random.key(0), (2, 16), 0, 97)
