@@ -20,6 +20,7 @@ from train.settings import UsageError  # noqa: F401  (re-exported for train.lm's
 # train.lm_model.PRESETS' and train.lm_data.TOKENIZERS' names, repeated to stay JAX-free (a test keeps them equal).
 LM_MODELS = ("cpu", "gpt2-small", "1b")
 TOKENIZERS = ("bpe", "bytes")
+ATTENTIONS = ("xla", "flash")  # train.lm_attention.ATTENTIONS
 # Where a resumed run stops, where its caches and logs are, how it computes dW (backends agree to
 # rounding): nothing that changes what a step computes.
 RESUME_OVERRIDES = ("stop_at", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_dir", "backend")
@@ -33,7 +34,7 @@ class LMConfig(CommonSettings):
     WRITER: ClassVar[str] = "train.lm"
     LAYOUT: ClassVar[tuple[str, ...]] = (
         "data_dir", "cache_dir", "val_fraction", "tokenizer", "vocab_size",
-        "model", "dim", "depth", "heads", "seq_len", "tie", "scan", "remat", "dtype", "loss_chunk",
+        "model", "dim", "depth", "heads", "kv_heads", "seq_len", "attention", "tie", "scan", "remat", "dtype", "loss_chunk",
         "sparsity", "block", "criterion", "selection", "backend", "storage_dtype", "rounding", "stochastic", "sparse_head",
         "lean", "sparsity_warmup_steps", "layer_sparsity",
         "dx", "memory_budget", "target",
@@ -48,7 +49,9 @@ class LMConfig(CommonSettings):
     # Model.
     model: str = "cpu"
     heads: int | None = None
+    kv_heads: int | None = None
     seq_len: int | None = None
+    attention: Literal["xla", "flash"] = "xla"
     tie: bool = False
     scan: bool = False
     loss_chunk: int = 0
@@ -82,7 +85,9 @@ class LMConfig(CommonSettings):
             "vocab_size": (self.vocab_size >= 258, ">= 258 (the 256 bytes, one merge and the end-of-file token)"),
             "model": (self.model in LM_MODELS, f"one of {LM_MODELS}"),
             "heads": (self.heads is None or self.heads >= 1, ">= 1"),
+            "kv_heads": (self.kv_heads is None or self.kv_heads >= 1, ">= 1 (and dividing --heads)"),
             "seq_len": (self.seq_len is None or self.seq_len >= 1, ">= 1"),
+            "attention": (self.attention in ATTENTIONS, f"one of {ATTENTIONS}"),
             "loss_chunk": (self.loss_chunk >= 0, ">= 0 (0: the plain head and loss)"),
             "sparse_head": (
                 not (self.sparse_head and (self.tie or self.loss_chunk)),
@@ -121,7 +126,12 @@ HELP = {
     "dim": "override the preset's width",
     "depth": "override the preset's number of layers",
     "heads": "override the preset's attention heads",
+    "kv_heads": "key/value heads, dividing --heads: fewer than --heads is grouped-query attention (each serves "
+    "heads/kv-heads query heads); default: --heads (multi-head attention)",
     "seq_len": "tokens per training window (T); default: the preset's",
+    "attention": "'xla': hand-written softmax attention holding (B, heads, T, T) scores; 'flash': "
+    "jax.nn.dot_product_attention, cuDNN's flash attention when lowered for a GPU in bfloat16 (never holding the "
+    "scores), XLA's on CPU and TPU (Pallas splash attention is not wired yet)",
     "tie": "tie the head to the token embedding",
     "scan": "stack the layers with nn.scan (parameters stacked on a leading axis; one traced layer)",
     "remat": "recompute each layer in the backward pass (nn.remat; inside the scan with --scan)",
@@ -149,7 +159,7 @@ HELP = {
     "eval_windows": "validation windows per evaluation, spread evenly over the validation split",
 }
 
-_CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS}
+_CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "attention": ATTENTIONS}
 
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -43,12 +43,15 @@ MIB = 2**20
 
 def model_shape(config: LMConfig, vocab_size: int | None = None) -> LMShape:
     """The preset's shape with the config's overrides; ``vocab_size``: the tokenizer's (else the preset's)."""
-    overrides = {k: getattr(config, k) for k in ("dim", "depth", "heads", "seq_len") if getattr(config, k) is not None}
+    overrides = {k: getattr(config, k) for k in ("dim", "depth", "heads", "kv_heads", "seq_len") if getattr(config, k) is not None}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     shape = dataclasses.replace(PRESETS[config.model], **overrides)
     if shape.dim % shape.heads or (shape.dim // shape.heads) % 2:
         raise UsageError(f"--dim {shape.dim} must be a multiple of --heads {shape.heads} with an even head dimension (RoPE rotates pairs)")
+    if shape.heads % shape.kv:  # each key/value head serves a whole group of query heads
+        divisors = [n for n in range(1, shape.heads + 1) if shape.heads % n == 0]
+        raise UsageError(f"--kv-heads {shape.kv} must divide --heads {shape.heads}: one of {divisors}")
     return shape
 
 
@@ -69,7 +72,7 @@ def create_model(config: LMConfig, shape: LMShape, level: float = 1.0, compresse
     (and ``compressed``): forward bit-identical, weight gradients from compressed residuals, and
     with ``dx`` input gradients from what norms, SwiGLU and attention keep in that format."""
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-    model = LM(shape, tie=config.tie, scan=config.scan, remat=config.remat, dtype=dtype)
+    model = LM(shape, tie=config.tie, scan=config.scan, remat=config.remat, dtype=dtype, attention=config.attention)
     if not (compressed and config.compressed):
         return model
     return bsr_jax.compress_model(model, compression_rules(config, level), lean=config.lean, dx=config.dx)
