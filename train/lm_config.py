@@ -18,7 +18,7 @@ from train.options import DX_FORMATS
 from train.settings import UsageError  # noqa: F401  (re-exported for train.lm's modules)
 
 # train.lm_model.PRESETS' and train.lm_data.TOKENIZERS' names, repeated to stay JAX-free (a test keeps them equal).
-LM_MODELS = ("cpu", "gpt2-small", "1b")
+LM_MODELS = ("cpu", "gpt2-small", "1b", "8b")
 TOKENIZERS = ("bpe", "bytes")
 ATTENTIONS = ("xla", "flash")  # train.lm_attention.ATTENTIONS
 # Where a resumed run stops, where its caches and logs are, how it computes dW (backends agree to
@@ -122,12 +122,13 @@ HELP = {
     "val_fraction": "fraction of the files (by a hash of their path) held out for validation",
     "tokenizer": "'bpe': byte-level BPE trained on the training split (Hugging Face tokenizers); 'bytes': UTF-8 bytes",
     "vocab_size": "BPE vocabulary size (end-of-file token included)",
-    "model": "preset: cpu (256 x 4 layers, 7.4M params at vocabulary 8192, T 128), gpt2-small (768 x 12, T 1024), 1b (2048 x 16, T 2048)",
+    "model": "preset: cpu (256 x 4 layers, 7.4M params at vocabulary 8192, T 128), gpt2-small (768 x 12, T 1024), 1b (2048 x 16, "
+    "T 2048), 8b (Llama 3 8B's shape: 4096 x 32, 8 key/value heads, T 8192; for compiled memory)",
     "dim": "override the preset's width",
     "depth": "override the preset's number of layers",
     "heads": "override the preset's attention heads",
     "kv_heads": "key/value heads, dividing --heads: fewer than --heads is grouped-query attention (each serves "
-    "heads/kv-heads query heads); default: --heads (multi-head attention)",
+    "heads/kv-heads query heads); default: the preset's (8 for 8b; the others: --heads, multi-head attention)",
     "seq_len": "tokens per training window (T); default: the preset's",
     "attention": "'xla': hand-written softmax attention holding (B, heads, T, T) scores; 'flash': "
     "jax.nn.dot_product_attention, cuDNN's flash attention when lowered for a GPU in bfloat16 (never holding the "

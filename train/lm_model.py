@@ -72,6 +72,9 @@ PRESETS: dict[str, LMShape] = {
     "gpt2-small": LMShape(dim=768, depth=12, heads=12, hidden=swiglu_hidden(768), vocab_size=32768, seq_len=1024),
     # ~1.1B parameters (Llama-style 16 x 2048 at vocabulary 32768): for compiled memory only.
     "1b": LMShape(dim=2048, depth=16, heads=16, hidden=swiglu_hidden(2048), vocab_size=32768, seq_len=2048),
+    # Llama 3 8B's shape (~8.0B parameters: 32 x 4096, 8 key/value heads, SwiGLU 14336, vocabulary
+    # 128256, T 8192): for compiled memory only (f32 parameters, AdamW moments and gradient: ~120 GiB).
+    "8b": LMShape(dim=4096, depth=32, heads=32, kv_heads=8, hidden=14336, vocab_size=128256, seq_len=8192),
 }
 
 
