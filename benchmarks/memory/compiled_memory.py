@@ -168,14 +168,14 @@ def step_args(model, shape, classes):
     return step, (variables, opt, x, y)
 
 
-def measure(name: str, setting: str, target: str) -> dict | None:
+def measure(name: str, setting: str, target: str, triton_gemm: bool | None = None) -> dict | None:
     built = MODELS[name](setting)
     if built is None:
         return None
     model, shape, classes, context = built
     with context:
         step, args = step_args(model, shape, classes)
-        r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True)
+        r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True, triton_gemm=triton_gemm)
     # Summed over the repeated blocks, so the table shows what each block keeps in all.
     live: dict[str, float] = {}
     for module, nbytes in r.by_module(depth=2).items():
@@ -183,7 +183,7 @@ def measure(name: str, setting: str, target: str) -> dict | None:
         live[key] = live.get(key, 0.0) + nbytes / MIB
     top = sorted(live.items(), key=lambda kv: -kv[1])[:5]
     kernels = [dict(op=k.op, us=k.seconds * 1e6, mib=k.bytes / MIB, gflop=k.flops / 1e9, count=k.count) for k in r.kernels]
-    return dict(model=name, setting=setting, target=target, peak_mib=r.peak / MIB, temp_mib=r.temp / MIB,
+    return dict(model=name, setting=setting, target=target, triton_gemm=r.triton_gemm, peak_mib=r.peak / MIB, temp_mib=r.temp / MIB,
                 live_peak_mib=r.live_peak / MIB, flops=r.flops, optimal_seconds=r.optimal_seconds,
                 modelled_seconds=r.modelled_seconds, roofline_seconds=r.roofline_seconds, live_at_peak_mib=dict(top),
                 costliest_kernels=kernels)
@@ -236,6 +236,9 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", nargs="+", choices=DEVICELESS_TARGETS, default=list(DEVICELESS_TARGETS))
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")
+    parser.add_argument("--triton-gemm", choices=("auto", "on", "off"), default="auto",
+                        help="H100 GEMMs: Triton fusions where XLA tiles them deviceless (auto), always (on), or cuBLAS "
+                             "(off: the instrument of RESULTS 10-13, whose rows have no triton_gemm field)")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
     parser.add_argument("--remeasure", action="store_true", help="measure the chosen rows again even where --out has them")
     args = parser.parse_args(argv)
@@ -250,7 +253,7 @@ def main(argv=None) -> None:
                     if (name, setting, target) in done:
                         continue
                     print(f"{name} {target} {setting} ...", file=sys.stderr, flush=True)
-                    row = measure(name, setting, target)
+                    row = measure(name, setting, target, {"auto": None, "on": True, "off": False}[args.triton_gemm])
                     if row is None:
                         continue
                     row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}

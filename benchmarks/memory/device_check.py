@@ -5,7 +5,8 @@ Run on a machine with one NVIDIA GPU (docs/RESULTS.md section 13 holds what it p
 (model, setting) runs in its own process, so that ``memory_stats()["peak_bytes_in_use"]`` (which
 never resets) is that step's alone. A row: the step compiled for the local GPU as a user's
 ``jax.jit`` compiles it (XLA's defaults: autotuning, Triton GEMMs) and as ``bsr_jax.compiled_memory``
-compiles deviceless (``_GPU_OPTIONS``: no autotuning, no Triton GEMMs); the compiler's peak and the
+compiles deviceless (``_GPU_OPTIONS``, no autotuning, and cuBLAS GEMMs: ``triton_gemm=False``, the
+instrument of section 13); the compiler's peak and the
 roofline's modelled time (``bsr_jax.measure.roofline`` with the H100's figures) of each; then the
 default program run: 3 warm-up steps and the median of ``--reps`` timed steps (each waited for),
 and the allocator's peak.
@@ -57,7 +58,7 @@ def one(model_name: str, setting: str, reps: int) -> dict:
         t0 = time.perf_counter()
         default = lowered.compile()
         compile_s = time.perf_counter() - t0
-        deviceless_like = lowered.compile(dict(compiled_lib._GPU_OPTIONS))
+        deviceless_like = lowered.compile(compiled_lib._GPU_OPTIONS | {"xla_gpu_enable_triton_gemm": False})
     row = dict(model=model_name, setting=setting, device=jax.devices()[0].device_kind, jax=jax.__version__, compile_s=compile_s)
     for name, program in (("default", default), ("deviceless_options", deviceless_like)):
         analysis = program.memory_analysis()

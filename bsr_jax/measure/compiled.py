@@ -26,6 +26,7 @@ import importlib.util
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,9 +38,8 @@ from bsr_jax.measure import roofline as roofline_lib
 
 # The H100 SXM device description (the form of XLA's xla/tools/hlo_opt/gpu_specs).
 H100_CONFIG = os.path.join(os.path.dirname(__file__), "h100_sxm.txtpb")
-# XLA:GPU tunes GEMM algorithms on a device; without one, use its defaults (and, unless asked for
-# with triton_gemm=True, cuBLAS instead of Triton GEMM fusions).
-_GPU_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+# XLA:GPU tunes GEMM algorithms on a device; without one, its heuristic tile sizes (autotune level 0).
+_GPU_OPTIONS = {"xla_gpu_autotune_level": 0}
 _UNTILED = "Couldn't find output tile sizes"  # XLA:GPU's error where no Triton tiling fits deviceless
 DEVICELESS_TARGETS = ("h100", "tpu-v5p")  # compiled for without the device
 TARGETS = ("host", *DEVICELESS_TARGETS)
@@ -195,7 +195,7 @@ class CompiledStep:
     live_at_peak: tuple[LiveBuffer, ...] = ()
     live_peak: int | None = None
     kernels: tuple[roofline_lib.Kernel, ...] = ()
-    triton_gemm: bool = False  # compiled with GEMMs as Triton fusions (``compiled_memory(triton_gemm=)``)
+    triton_gemm: bool = False  # GEMMs compiled as Triton fusions (True) or cuBLAS calls (``compiled_memory(triton_gemm=)``)
 
     def by_module(self, depth: int = 2) -> dict[str, int]:
         """Live-at-peak bytes summed by the first ``depth`` components of each op's module path
@@ -268,25 +268,38 @@ def compile_for(
     devices: int = 1,
     donate_argnums: int | tuple[int, ...] = (),
     options: dict[str, Any] | None = None,
-    triton_gemm: bool = False,
+    triton_gemm: bool | None = None,
 ) -> jax.stages.Compiled:
     """``fn(*args)`` compiled for ``target`` (nothing runs), as ``compiled_memory`` compiles it;
     ``fn`` may be ``lower_for``'s result (then ``args`` are unused). ``options`` are extra XLA
-    compile options; ``triton_gemm`` (``"h100"`` only): compile GEMMs as Triton fusions, as a real
-    H100 does by default (dequantizing or scaling producers fused into the GEMM), instead of cuBLAS.
-    Read the program with ``.as_text()``."""
+    compile options; ``triton_gemm`` (``"h100"`` only): ``None`` compiles GEMMs as a real H100 does,
+    as Triton fusions (dequantizing or scaling producers fused into the GEMM), where XLA finds a
+    tiling without the device, else as cuBLAS calls with a ``UserWarning`` saying so; ``True``:
+    Triton or a ``RuntimeError``; ``False``: cuBLAS. Read the program with ``.as_text()``; which
+    GEMMs it has with ``uses_triton_gemm``."""
     target = check_target(target)
     if triton_gemm and target != "h100":
         raise ValueError(f"triton_gemm=True is for target='h100' (XLA:GPU), got target={target!r}")
     lowered = fn if isinstance(fn, jax.stages.Lowered) else lower_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums)
-    gpu = dict(_GPU_OPTIONS, xla_gpu_enable_triton_gemm=triton_gemm) if target == "h100" else {}
+    if target != "h100":
+        return lowered.compile(options or None)
     try:
-        return lowered.compile((gpu | (options or {})) or None)
+        return lowered.compile(_GPU_OPTIONS | {"xla_gpu_enable_triton_gemm": triton_gemm is not False} | (options or {}))
     except Exception as error:  # XLA raises its own runtime error type
-        if triton_gemm and _UNTILED in str(error):
-            raise RuntimeError(f"XLA:GPU found no Triton tiling for a GEMM of this program without a device "
-                               f"({str(error).splitlines()[0][:200]}); compile it with triton_gemm=False") from error  # fmt: skip
-        raise
+        if triton_gemm is False or _UNTILED not in str(error):
+            raise
+        why = f"XLA:GPU found no Triton tiling for a GEMM of this program without a device ({str(error).splitlines()[0][:200]})"
+        if triton_gemm:
+            raise RuntimeError(f"{why}; compile it with triton_gemm=False (cuBLAS) or None (Triton where it tiles)") from error
+    warnings.warn(f"{why}: compiled with cuBLAS GEMMs instead (triton_gemm=False); a real H100 would tile it with autotuning",
+                  UserWarning, stacklevel=2)  # fmt: skip
+    return lowered.compile(_GPU_OPTIONS | {"xla_gpu_enable_triton_gemm": False} | (options or {}))
+
+
+def uses_triton_gemm(compiled: jax.stages.Compiled) -> bool:
+    """Whether an XLA:GPU program computes its GEMMs in Triton fusions (else cuBLAS custom calls)."""
+    # XLA's fusion kinds: __triton_gemm, __triton_nested_gemm_fusion (the generic emitter's form).
+    return re.search(r'"kind":"__triton[a-z_]*gemm', compiled.as_text()) is not None
 
 
 def compiled_memory(
@@ -296,7 +309,7 @@ def compiled_memory(
     devices: int = 1,
     donate_argnums: int | tuple[int, ...] = (),
     breakdown: bool = False,
-    triton_gemm: bool = False,
+    triton_gemm: bool | None = None,
 ) -> CompiledStep:
     """Compile ``fn(*args)`` for ``target`` (nothing runs) and read XLA's memory plan and cost.
 
@@ -313,10 +326,11 @@ def compiled_memory(
         training step), as ``jax.jit``'s.
       breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
         directory) and the ten costliest kernels of the roofline.
-      triton_gemm: ``"h100"`` only: GEMMs as Triton fusions, as a real H100 compiles them by
-        default, instead of cuBLAS (the default here, and every figure in docs/RESULTS.md sections
-        10-12). Some programs do not tile without a device (ViT-B/16's step): a ``RuntimeError``
-        says so.
+      triton_gemm: ``"h100"`` only: ``None`` (the default) compiles GEMMs as a real H100 does, as
+        Triton fusions, where XLA tiles them without the device, else as cuBLAS calls with a
+        ``UserWarning`` (ViT-B/16's step does not tile deviceless); ``True``: Triton or a
+        ``RuntimeError``; ``False``: cuBLAS (the instrument of docs/RESULTS.md sections 10-13).
+        ``CompiledStep.triton_gemm`` says which the program has.
     """
     target = check_target(target)
     with tempfile.TemporaryDirectory() as dump_dir:
@@ -346,5 +360,5 @@ def compiled_memory(
         live_at_peak=live,
         live_peak=live_peak,
         kernels=modelled.top(10) if breakdown and modelled else (),
-        triton_gemm=triton_gemm,
+        triton_gemm=target == "h100" and uses_triton_gemm(compiled),
     )
