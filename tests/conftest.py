@@ -14,9 +14,13 @@ optimisation levels keep IEEE semantics (XLA:CPU sets no fast-math flags), and X
 deviceless H100 and TPU compiles take the same time either way. Subprocesses inherit the flag
 (``host_devices.xla_flags`` adds their device count to it)."""
 
+import fnmatch
 import os
 import shutil
 import tempfile
+
+import pytest
+from sweeps import DEFAULT_CASES
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
@@ -31,3 +35,20 @@ def pytest_sessionfinish(session, exitstatus):
     """The process that made the cache folder removes it (xdist's workers finish first)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None and os.environ.get("BSR_JAX_TESTS_OWN_CACHE"):
         shutil.rmtree(os.environ["BSR_JAX_TESTS_OWN_CACHE"], ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Cases of a sweep that ``tests/sweeps.py`` does not keep in the default run are ``slow``; a
+    sweep of which it keeps nothing is an error (a renamed case must not drop its claim silently)."""
+    kept_cases: dict[str, int] = {}
+    for item in items:
+        test, _, params = item.nodeid.partition("[")
+        globs = DEFAULT_CASES.get(test)
+        if globs is None or not params:
+            continue
+        kept = any(fnmatch.fnmatchcase(params[:-1], glob) for glob in globs)
+        kept_cases[test] = kept_cases.get(test, 0) + kept
+        if not kept:
+            item.add_marker(pytest.mark.slow)
+    if empty := [test for test, n in kept_cases.items() if n == 0]:
+        raise pytest.UsageError(f"tests/sweeps.py keeps no case of {empty}: fix its globs")

@@ -1,0 +1,52 @@
+"""What the default run keeps of each sweep: one case per claim; the rest run with ``-m slow``.
+
+A sweep is a test parametrized over many cases that prove the same claim on other inputs (every
+backend x every pruning option, every CPU ISA x every block shape). The default run keeps the cases
+below (``fnmatch`` globs over the parameter id, the part of the test id in brackets); every other
+case of the test is marked ``slow`` by ``tests/conftest.py``. ``python -m pytest -m slow`` runs
+what is left out, ``python -m pytest -m ""`` everything.
+"""
+
+# test (file::function) -> parameter ids the default run keeps.
+DEFAULT_CASES: dict[str, tuple[str, ...]] = {
+    # Every option on the accelerators' backend (xla); each other backend on a global, a padded
+    # column and a quantized case.
+    "tests/bsr_jax/test_linear.py::test_grads_match_independent_reference": (
+        "xla-l*", "xla-t*", "xla-b*", "xla-i*", "xla-f*", "xla-s*",
+        "cpu-l2-global-16", "cpu-l1-column-8x4-padded-bf16", "cpu-int8-storage-column-16",
+        "pallas-l2-global-16", "pallas-int8-storage-column-16",
+        "xla-batched-l1-column-8x4-padded-bf16", "xla-batched-int8-storage-column-16",
+        "reference-l2-global-16", "reference-stochastic-l1-column-int8",
+    ),
+    # Each format on one shape, int4 (the recommended storage) on all three.
+    "tests/bsr_jax/test_storage.py::test_rows_layout_holds_what_the_blocks_layout_holds": ("*-shape0-block0", "int4-*"),
+    "tests/bsr_jax/test_storage.py::test_int4_packs_two_values_a_byte_and_round_trips": ("block0", "block3"),
+    # Both compressions, strides and kernel sizes; explicit paddings with -m slow.
+    "tests/bsr_jax/test_conv.py::test_gradients": ("1-SAME-3-*", "2-VALID-3-*", "2-padding11-3-*", "1-VALID-1-*"),
+    "tests/bsr_jax/test_pallas_backend.py::test_pallas_dw_matches_reference": ("float32-shape0-*", "bfloat16-shape1-*", "*-int8"),
+    "tests/pallas_kernels/test_bsr_matmul.py::test_matches_reference_and_masked_dense": ("*-float32", "one block-bfloat16"),
+    "tests/pallas_kernels/test_bsr_t_matmul.py::test_matches_reference_and_masked_dense": ("*-float32", "one block-bfloat16"),
+    "tests/bsr_jax/test_elementwise.py::test_scale_shift_grads_match_independent_reference": (
+        "l2-global-16", "l1-column-8x4-padded-bf16", "int8-storage", "stochastic-column-int8"),
+    "tests/bsr_jax/test_format.py::test_global_selection_keeps_topk_blocks": ("shape0-*", "shape2-block2-l1"),
+    # The C++ kernels: every case on AVX2 (every x86-64 CI machine has it), two on the other ISAs.
+    "tests/cpu_kernels/test_cpu_bsr_t_matmul.py::test_matches_reference_of_dequantized_blocks": (
+        "*-avx2", "block 3x5, odd sides-*", "several, empty column-int4-*"),
+    "tests/cpu_kernels/test_cpu_bsr_t_matmul.py::test_multithreaded_result_is_deterministic": ("int4-*",),
+    "tests/cpu_kernels/test_cpu_quantize_blocks.py::test_bitwise_equal_to_the_jitted_reference": ("*-avx2", "odd block 3x5-*"),
+    "tests/cpu_kernels/test_cpu_backend.py::test_cpu_backend_matches_reference_backend": ("*-avx2",),
+    "tests/cpu_kernels/test_cpu_backend.py::test_cpu_backend_matches_float64_reference": ("16-int8", "block1-None"),
+    # Model constructors: the smallest of each family; the ImageNet-sized ones with -m slow.
+    "tests/train/test_models.py::test_shapes_and_param_counts": ("s12-32-4-100", "tiny-32-4-10"),
+    # One model per claim where another test holds the same claim for the others (the LM: test_lm_model,
+    # test_custom_layers' gpt2 and llama forms).
+    "tests/bsr_jax/test_compress.py::test_forward_bitwise_parameters_unchanged_and_only_kernel_grads_approximate": ("vit",),
+    "tests/bsr_jax/test_compress.py::test_residual_bytes_of_the_issue_configuration": ("vit-*",),
+    "tests/bsr_jax/test_lean.py::test_third_party_models_forward_bits_gradients_and_bytes": ("vit",),
+    "tests/train/test_lm_model.py::test_lean_pass_reaches_inside_scan": ("True",),
+    "tests/train/test_models.py::test_residual_bytes_of_one_block": ("0.7-True",),
+    # A vocabulary the chunk does not divide (the padded last chunk) is the case that can go wrong.
+    "tests/bsr_jax/test_losses.py::test_loss_and_gradients_equal_the_plain_form": ("37",),
+    "tests/bsr_jax/test_head_loss.py::test_nanogpt_loss_inside_the_model": ("float32-*",),
+    "tests/bsr_jax/test_head_loss.py::test_llama_loss_outside_the_model_through_the_function_transform": ("integer_loss-True",),
+}
