@@ -27,7 +27,8 @@ DenseGeneral with batch dims, non-float inputs, products that are not a plain li
 NNX: the matching ``nnx.Linear`` / ``nnx.LinearGeneral`` modules of the (in place) returned model
 get a compressing ``dot_general``, the matching ``nnx.Conv`` modules (and subclasses) a
 compressing ``conv_general_dilated`` (the same stand-in as linen's: forward bit-identical, dx and db
-exact), and, with ``lean``, the root's ``__call__`` runs inside ``lean_neighbours``; parameters and
+exact); the root's class becomes a subclass whose ``__call__`` shows the resolved table to
+``bsr_jax.layer_table`` and, with ``lean``, runs inside ``lean_neighbours``; parameters and
 ``nnx.split``/``merge``/``jit``/``grad`` are unchanged. Reported and left dense: convs with their
 own ``conv_general_dilated``, ``nnx.ConvTranspose``, ``Pooling`` rules on linear layers, calls with
 an ``out_sharding``. Shared-input residuals and stochastic options need the linen path (no rng
