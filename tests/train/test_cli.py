@@ -362,6 +362,7 @@ def test_resnet_compression_flags():
     assert (config.model, config.compression, config.storage_dtype) == ("resnet50", "pool4", "int8")
 
 
+@pytest.mark.slow  # 31 s; pooled ResNet training holds in test_resnet and test_compress, the CLI in the other smokes
 def test_resnet18_pool2_smoke_run_carries_batch_stats(cifar_image_folder, tmp_path):
     """``--model resnet18 --compression pool2 --steps 2`` end to end (8 filters, batch 4): the
     checkpoint holds batch_stats, which training changed and evaluation used (resuming restores the

@@ -159,6 +159,7 @@ def test_chunked_loss_equals_the_plain_head_and_loss():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # 23 s; data parallel equal to one device holds in test_loop's 4-device check
 def test_cli_on_4_devices_trains_what_one_device_trains(cache):
     """``python -m train.lm`` in a fresh interpreter on 4 forced host devices (each compresses its
     own shard: int8 blocks that do not straddle shards) against the same flags on one device."""

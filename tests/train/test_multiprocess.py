@@ -71,6 +71,7 @@ def run_both_layouts(cifar_image_folder, tmp_path, *extra: str):
     return single, multi, tmp_path / "1x4", tmp_path / "2x2"
 
 
+@pytest.mark.slow  # 25 s; with the other multi-process runs
 def test_data_parallel_step_across_two_processes():
     script = os.path.join(os.path.dirname(__file__), "multiprocess_check.py")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
