@@ -1,0 +1,101 @@
+"""Where a compressed step's time goes: ResMLP-S12's full adamw step (CIFAR, B=128) compiled
+deviceless for H100, its modelled time summed per kind of kernel (each block's kernels added up over
+the 12 blocks), one column per storage format of every dW residual, beside dense.
+
+A kernel's kind is its module and op from XLA's metadata (``block*/fc1/reduce_max``), prefixed
+``GEMM`` where it is a GEMM (a Triton or cuBLAS call, or over 0.1 GFLOP) and ``bwd`` where it runs
+in the backward pass: so a format's extra passes (scales, quantize, dequantize) show as their own
+rows. ``--triton-gemm off`` compiles cuBLAS GEMMs (the instrument of RESULTS 10-13).
+
+    python -m benchmarks.memory.kernel_account --formats dense int8 int8-rows int4 --triton-gemm auto off
+
+Writes docs/RESULTS.md section 14 (JSON: benchmarks/results/kernel_account.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from bsr_jax import Pruning  # noqa: E402
+from bsr_jax.measure import compiled, roofline  # noqa: E402
+from benchmarks.memory.compiled_memory import step_args  # noqa: E402
+from benchmarks.run_info import footer, run_metadata  # noqa: E402
+from train import models as train_models  # noqa: E402
+
+MIB = 2**20
+# Every dW residual's storage; "int8-rows": one scale per 128 values of a token row, the layout a
+# GEMM could read with its scales (issue 40's option (a)).
+FORMATS = {
+    "dense": None,
+    "int8": Pruning(0.0, block=16, storage_dtype="int8"),
+    "int8-rows": Pruning(0.0, block=(1, 128), storage_dtype="int8"),
+    "int4": Pruning(0.0, block=16, storage_dtype="int4"),
+    "int4-rows": Pruning(0.0, block=(1, 128), storage_dtype="int4"),
+}
+TRITON = {"auto": None, "on": True, "off": False}
+
+
+def s12(pruning: Pruning | None):
+    affine, layerscale = train_models.scale_shift_defs(pruning)
+    return train_models.ResMLP(num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
+                               head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, **train_models.PRESETS["s12"])  # fmt: skip
+
+
+def kind(kernel: roofline.Kernel) -> str:
+    op = re.sub(r"block\d+", "block*", kernel.op)
+    where = "/".join(op.split("/")[-3:]) if op else kernel.name.split(".")[0]
+    gemm = "gemm" in kernel.name or "cublas" in kernel.name or kernel.flops > 1e8
+    return f"{'GEMM ' if gemm else ''}{'bwd' if 'transpose' in op else 'fwd'} {where}"
+
+
+def account(fmt: str, triton_gemm: bool | None) -> dict:
+    step, args = step_args(s12(FORMATS[fmt]), (128, 32, 32, 3), 10)
+    program = compiled.compile_for(step, *args, target="h100", donate_argnums=(0, 1), triton_gemm=triton_gemm)
+    model = roofline.roofline(program.as_text(), "h100")
+    us, mib = collections.Counter(), collections.Counter()
+    for kernel in model.kernels:
+        us[kind(kernel)] += kernel.seconds * 1e6
+        mib[kind(kernel)] += kernel.bytes / MIB
+    return dict(format=fmt, triton_gemm=compiled.uses_triton_gemm(program), peak_mib=program.memory_analysis().peak_memory_in_bytes / MIB,
+                modelled_us=model.seconds * 1e6, kernels=len(model.kernels), us=dict(us), mib=dict(mib))  # fmt: skip
+
+
+def table(rows: list[dict], top: int) -> str:
+    cols = [f"{r['format']} {'Triton' if r['triton_gemm'] else 'cuBLAS'}" for r in rows]
+    kinds = sorted({k for r in rows for k in r["us"]}, key=lambda k: -max(r["us"].get(k, 0) - rows[0]["us"].get(k, 0) for r in rows))
+    lines = ["| kernel kind (summed over blocks), modelled us | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(rows)]
+    lines += [f"| {k} | " + " | ".join(f"{r['us'].get(k, 0):.0f}" for r in rows) + " |" for k in kinds[:top]]
+    lines.append("| everything else | " + " | ".join(f"{sum(v for k, v in r['us'].items() if k not in kinds[:top]):.0f}" for r in rows) + " |")
+    lines.append("| **modelled step** | " + " | ".join(f"**{r['modelled_us']:.0f}**" for r in rows) + " |")
+    lines.append("| kernels | " + " | ".join(str(r["kernels"]) for r in rows) + " |")
+    lines.append("| compiled peak MiB | " + " | ".join(f"{r['peak_mib']:.0f}" for r in rows) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["dense", "int8", "int8-rows", "int4"])
+    parser.add_argument("--triton-gemm", nargs="+", choices=list(TRITON), default=["auto"])
+    parser.add_argument("--top", type=int, default=16, help="kinds shown: those whose time grows most over the first format's")
+    parser.add_argument("--out", default="benchmarks/results/kernel_account.json")
+    args = parser.parse_args(argv)
+    meta, rows = run_metadata(), []
+    for triton in args.triton_gemm:
+        for fmt in args.formats:
+            print(f"{fmt} triton_gemm={triton} ...", file=sys.stderr, flush=True)
+            rows.append(account(fmt, TRITON[triton]) | {"meta": {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}})
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+    print(table(rows, args.top))
+    print(footer(meta))
+
+
+if __name__ == "__main__":
+    main()
