@@ -38,7 +38,7 @@ class LMConfig(CommonSettings):
         "sparsity", "block", "criterion", "selection", "backend", "storage_dtype", "rounding", "stochastic", "sparse_head",
         "lean", "sparsity_warmup_steps", "layer_sparsity",
         "dx", "memory_budget", "target",
-        "lr", "min_lr", "weight_decay", "warmup_steps", "clip_norm", "batch_size", "steps", "seed",
+        "lr", "min_lr", "weight_decay", "warmup_steps", "clip_norm", "batch_size", "fsdp", "steps", "seed",
         "stop_at", "eval_every", "eval_windows", "log_every", "checkpoint_every", "keep_checkpoints", "resume",
     )  # fmt: skip
 
@@ -62,6 +62,8 @@ class LMConfig(CommonSettings):
     warmup_steps: int = 100
     clip_norm: float = 1.0
     steps: int = 2000
+    # Data parallelism: parameters, gradients and AdamW state sharded over the devices (train.sharding's FSDP).
+    fsdp: bool = False
     # Run control and logging.
     stop_at: int | None = None
     eval_every: int = 200
@@ -153,6 +155,10 @@ HELP = {
     "warmup_steps": "linear warmup steps (capped at 20%% of --steps)",
     "clip_norm": "clip the global gradient norm to this (0: no clipping)",
     "batch_size": "global batch of windows, split over all devices",
+    "fsdp": "shard the parameters, their gradients and AdamW moments over the devices as well as the batch (each leaf "
+    "along its largest dimension the device count divides; leaves with none, e.g. a bias of odd length, stay "
+    "replicated): each device stores 1/n of them and gathers the parameters for its step; the same training up to "
+    "the order of float sums",
     "steps": "training steps; the learning-rate schedule spans them",
     "seed": "seed of initialisation and data order",
     "stop_at": "stop at this step (the schedule still spans --steps); --resume continues",

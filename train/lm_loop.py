@@ -1,7 +1,8 @@
 """``python -m train.lm``'s loop: ``train_and_evaluate(config, workdir)`` for a decoder-only LM.
 
 The pieces the image loop uses serve here too: the data-parallel step (``train.sharding``: each
-device compresses its own shard's residuals, gradients ``pmean``-ed), ``train.stopping`` (SIGINT /
+device compresses its own shard's residuals, gradients ``pmean``-ed; with ``--fsdp`` parameters,
+gradients and AdamW state sharded too), ``train.stopping`` (SIGINT /
 SIGTERM stop after the step in flight, with a checkpoint), ``train.checkpoint`` (Orbax),
 ``train.metrics`` (``metrics.jsonl`` records, printed) and ``train.run_dir`` (the workdir's layout).
 What differs: the data (``train.lm_data``: windows of a token stream, a function of (seed, step)),
@@ -117,10 +118,11 @@ def loss_function(model, config: LMConfig):
 # ----------------------------------------------------------------------------- steps
 
 
-def make_train_step(loss_fn, tx, schedule, mesh, rng_seed: int | None):
-    """Jitted ``(state, batch) -> (state, metrics)``, state donated; step ``t`` draws its pruning
+def make_train_step(loss_fn, tx, schedule, mesh, rng_seed: int | None, state_sharding, fsdp: bool):
+    """Jitted ``(state, batch) -> (state, metrics)``, state donated and placed as ``state_sharding``
+    (``sharding.state_shardings``: replicated, or sharded with ``fsdp``); step ``t`` draws its pruning
     randomness from ``fold_in(key(rng_seed), t)``, so a resumed run draws what an uninterrupted one would."""
-    grad_fn = sharding.data_parallel_grad(loss_fn, mesh)
+    grad_fn = sharding.data_parallel_grad(loss_fn, mesh, fsdp)
 
     def step(state, batch):
         rng = None if rng_seed is None else jax.random.fold_in(jax.random.key(rng_seed), state["step"])
@@ -130,14 +132,22 @@ def make_train_step(loss_fn, tx, schedule, mesh, rng_seed: int | None):
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
 
     rep = sharding.replicated(mesh)
-    return jax.jit(step, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=(rep, rep), donate_argnums=0)
+    return jax.jit(step, in_shardings=(state_sharding, sharding.batch_sharding(mesh)), out_shardings=(state_sharding, rep),
+                   donate_argnums=0)  # fmt: skip
 
 
-def make_eval_step(loss_fn, mesh):
-    """Jitted ``(params, batch) -> summed token losses`` of a batch of windows."""
+def make_eval_step(loss_fn, mesh, params_sharding):
+    """Jitted ``(params, batch) -> summed token losses`` of a batch of windows; ``params`` placed as
+    ``params_sharding``."""
     rep = sharding.replicated(mesh)
-    tokens = lambda params, batch: loss_fn(params, batch)[0] * batch["tokens"][:, 1:].size
-    return jax.jit(tokens, in_shardings=(rep, sharding.batch_sharding(mesh)), out_shardings=rep)
+
+    def tokens(params, batch):
+        # FSDP's shards gathered whole first: the evaluation is then the replicated run's program,
+        # rather than whatever split of each product XLA would choose for sharded weights.
+        params = jax.lax.with_sharding_constraint(params, rep)
+        return loss_fn(params, batch)[0] * batch["tokens"][:, 1:].size
+
+    return jax.jit(tokens, in_shardings=(params_sharding, sharding.batch_sharding(mesh)), out_shardings=rep)
 
 
 def memory_report(loss_fn, dense_loss_fn, compiled, params, batch_shape: tuple[int, int], mesh) -> dict[str, Any]:
@@ -226,7 +236,8 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         params = create_model(config, shape, compressed=False).init(jax.random.key(config.seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
-    state = jax.jit(init, out_shardings=sharding.replicated(mesh))()
+    state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh, config.fsdp)
+    state = jax.jit(init, out_shardings=state_sharding)()
     checkpoints = Checkpoints(run_dir.checkpoint_dir(workdir), config.keep_checkpoints)
     if config.resume and checkpoints.latest_step() is not None:
         state = checkpoints.restore_newest_intact(state, metrics.say)
@@ -238,7 +249,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
 
     def compile_step(level: float):
         level_model = model if planned else create_model(config, shape, level)
-        step_fn = make_train_step(loss_function(level_model, config), tx, schedule, mesh, rng_seed)
+        step_fn = make_train_step(loss_function(level_model, config), tx, schedule, mesh, rng_seed, state_sharding, config.fsdp)
         return step_fn.lower(state, batch_struct).compile()
 
     previous_env = os.environ.get(bsr_jax.backends.dispatch.ENV_VAR)
@@ -262,7 +273,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         metrics.say(f"{num_params:,} params, {mesh.devices.size} device(s), {len(train_stream):,} training tokens "
                     f"({per_epoch} steps/epoch), steps {start_step} -> {stop_step}")  # fmt: skip
         run = _Run(config, workdir, mesh, seq_len, train_stream, val_windows, len(val_stream) / corpus.val_bytes, log, checkpoints,
-                   compile_step, make_eval_step(dense_loss, mesh), started)  # fmt: skip
+                   compile_step, make_eval_step(dense_loss, mesh, state_sharding["params"]), started)  # fmt: skip
         return _train(run, state, train_steps, memory, start_step)
     finally:
         if previous_env is None:

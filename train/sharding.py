@@ -1,4 +1,5 @@
-"""Data parallelism: a 1-D device mesh over a ``"data"`` axis, batches sharded, params replicated.
+"""Data parallelism: a 1-D device mesh over a ``"data"`` axis, batches sharded, params replicated
+(or, with FSDP, sharded too: see below).
 
 Per-shard pruning. The loss and its gradients run under ``jax.shard_map``: each device computes
 the forward and backward pass of its own ``B / n`` examples, so every ``bsr_jax.Dense`` prunes the
@@ -44,6 +45,23 @@ loss under a plain ``jit`` gives the loop's gradients too: tests/train/data_para
 would need a ``shard_map`` anyway, so switching would not simplify ``train/``: the loop keeps this
 one function, and every op inside it runs on its local shard unchanged (``map_row_shards`` sees
 the manual axis and steps aside). The per-op mechanism is for models under a user's own ``jit``.
+
+FSDP (``train.lm --fsdp``): parameters, their AdamW moments and their gradients sharded over
+``"data"`` too, so each device stores ``1 / n`` of them. Each leaf of the train state is split
+along one dimension, the largest that ``n`` divides (``fsdp_spec``; a function of the shape alone,
+so a parameter and its two moments split alike); a leaf with no such dimension (a scalar step
+count, a vector whose length ``n`` does not divide) stays replicated. The design keeps the
+``shard_map`` above and changes only its edges: the parameters enter as shards, each leaf is
+``all_gather``-ed whole at the start of the per-device function, the loss and its gradients run on
+the local batch shard exactly as without FSDP (so compression stays per shard, and stochastic keys
+are folded per device as before), and each gradient leaves through ``psum_scatter`` (divided by
+``n``: the same mean as ``pmean``, each device receiving only its shard) where the replicated
+path ``pmean``-s it. The optimizer update then runs under the step's ``jit`` on shards: it is
+elementwise, so XLA keeps it local, adding only the scalar all-reduce of the global gradient norm.
+Numerically nothing changes but the order of the cross-device sums. What each device holds at the
+step's peak: its shards of the parameters and moments, plus the gathered parameters and the
+full-size local gradients while the loss runs (ZeRO-3's storage; gathering layer by layer inside
+the model, which would bound the gathered part to a layer, is not done).
 """
 
 from __future__ import annotations
@@ -101,8 +119,47 @@ def local_rows(batch: Any) -> Any:
     return jax.tree.map(rows, batch)
 
 
+def fsdp_spec(shape: tuple[int, ...], devices: int) -> PartitionSpec:
+    """How FSDP splits a leaf of ``shape`` over ``devices``: along its largest dimension that
+    ``devices`` divides (the first of equal ones), or not at all where none does."""
+    dims = [d for d, size in enumerate(shape) if size % devices == 0]
+    if not dims:
+        return PartitionSpec()
+    dim = max(dims, key=lambda d: shape[d])
+    return PartitionSpec(*[None] * dim, DATA_AXIS)
+
+
+def state_shardings(state: Any, mesh: Mesh, fsdp: bool) -> Any:
+    """A ``NamedSharding`` per leaf of ``state`` (arrays or shape structs): ``fsdp_spec``'s with
+    ``fsdp``, else replicated."""
+    devices = mesh.devices.size
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, devices) if fsdp else PartitionSpec()), state)
+
+
+def _sharded_dim(spec: PartitionSpec) -> int | None:
+    return list(spec).index(DATA_AXIS) if DATA_AXIS in spec else None
+
+
+def _whole(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """A parameter leaf whole and marked per-device (varying), so its gradient stays this shard's
+    own (rather than being summed implicitly by the transpose of a broadcast) and the one reduction
+    is the explicit one in ``_mean``. An all-gather's result already varies per device."""
+    dim = _sharded_dim(spec)
+    if dim is None:
+        return jax.lax.pcast(x, DATA_AXIS, to="varying")
+    return jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+
+
+def _mean(g: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """The mean over devices of a gradient leaf, as ``spec`` stores it: each device gets its shard."""
+    dim = _sharded_dim(spec)
+    if dim is None:
+        return jax.lax.pmean(g, DATA_AXIS)
+    return jax.lax.psum_scatter(g, DATA_AXIS, scatter_dimension=dim, tiled=True) / jax.lax.axis_size(DATA_AXIS)
+
+
 def data_parallel_grad(
-    loss_fn: Callable[..., tuple[jax.Array, Any]], mesh: Mesh
+    loss_fn: Callable[..., tuple[jax.Array, Any]], mesh: Mesh, fsdp: bool = False
 ) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
     """``(params, batch, rng=None, batch_stats=None) -> ((loss, aux), grads)`` averaged over the
     shards of ``batch``.
@@ -112,22 +169,24 @@ def data_parallel_grad(
     scalar means (and the updated ``batch_stats``, which are averaged the same way). Each device differentiates it on its local shard (see the module docstring for
     the pruning semantics), with ``rng`` (if given) folded with the device's index so stochastic
     pruning draws independently per shard; losses, aux and grads are ``pmean``-ed, so all outputs
-    are replicated.
+    are replicated. With ``fsdp``, ``params`` come sharded as ``state_shardings`` shards them and
+    the gradients leave sharded alike (the module docstring's FSDP).
     """
 
-    def local(params, batch, rng, batch_stats):
-        if rng is not None:
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
-        # Mark the replicated params as per-device values, so their gradients stay per-shard
-        # (rather than being summed implicitly by the transpose of the broadcast) and the one
-        # reduction is the explicit pmean below.
-        params = jax.lax.pcast(params, DATA_AXIS, to="varying")
-        extra = () if batch_stats is None else (batch_stats,)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng, *extra)
-        return jax.lax.pmean(((loss, aux), grads), DATA_AXIS)
+    def grad(params, batch, rng=None, batch_stats=None):
+        specs = jax.tree.map(lambda x: fsdp_spec(x.shape, mesh.devices.size) if fsdp else PartitionSpec(), params)
 
-    spec = PartitionSpec(DATA_AXIS)
-    replicated_spec = PartitionSpec()
-    in_specs = (replicated_spec, spec, replicated_spec, replicated_spec)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=replicated_spec)
-    return lambda params, batch, rng=None, batch_stats=None: mapped(params, batch, rng, batch_stats)
+        def local(params, batch, rng, batch_stats):
+            if rng is not None:
+                rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
+            params = jax.tree.map(_whole, params, specs)
+            extra = () if batch_stats is None else (batch_stats,)
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng, *extra)
+            return jax.lax.pmean((loss, aux), DATA_AXIS), jax.tree.map(_mean, grads, specs)
+
+        replicated_spec = PartitionSpec()
+        in_specs = (specs, PartitionSpec(DATA_AXIS), replicated_spec, replicated_spec)
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(replicated_spec, specs))
+        return mapped(params, batch, rng, batch_stats)
+
+    return grad
