@@ -1,0 +1,89 @@
+"""``train.lm --fsdp`` on 4 forced host devices, in a fresh interpreter:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/train/test_lm_fsdp.py WORKDIR
+
+The run compresses every residual (int4 at sparsity 0, the head included), in float32. An FSDP
+run stopped after 2 steps and resumed for a third gives the losses of the replicated run (only the
+order of the cross-device sums may differ); every parameter and AdamW moment of the state the
+resume restores, and of the state its step returns, is split 4 ways along the dimension
+``train.sharding.fsdp_spec`` names. The child prints one JSON line of what it saw; the test judges it.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests import host_devices
+
+DEVICES = 4
+
+
+def _leaves(state) -> list[dict]:
+    """Path, shape, spec and first addressable shard's shape of each parameter and moment leaf."""
+    import jax
+
+    out = []
+    (adam,) = [s for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu")]
+    trees = {"params": state["params"], "mu": adam.mu, "nu": adam.nu}
+    for name, tree in trees.items():
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            out.append({"path": name + jax.tree_util.keystr(path), "shape": list(x.shape), "spec": [str(a) for a in x.sharding.spec],
+                        "shard": list(x.addressable_shards[0].data.shape)})  # fmt: skip
+    return out
+
+
+def main(root: str) -> None:
+    import jax
+
+    from train import lm_loop, run_dir, steps
+    from train.lm_config import LMConfig
+    from train.lm_data import stdlib_root
+
+    assert len(jax.devices()) == DEVICES, jax.devices()
+    seen = {}  # the state each run_steps call starts from and ends with, by workdir
+    run_steps = steps.run_steps
+
+    def spy(state, *args, **kwargs):
+        start = _leaves(state)
+        state, result = run_steps(state, *args, **kwargs)
+        seen[kwargs["log"].path] = {"start": start, "end": _leaves(state)}
+        return state, result
+
+    steps.run_steps = spy
+    # int4 at sparsity 0, the head too: every linear layer's residual compressed, per device.
+    tiny = LMConfig(data_dir=os.path.join(stdlib_root(), "email"), val_fraction=0.2, tokenizer="bytes", dim=32, depth=1, heads=2,
+                    seq_len=16, batch_size=8, steps=3, warmup_steps=1, lr=1e-2, eval_every=3, eval_windows=8, log_every=1,
+                    dtype="float32", storage_dtype="int4", sparse_head=True)  # fmt: skip
+    losses = lambda workdir: [r["loss"] for r in run_dir.read_records(workdir) if r["kind"] == "train"]
+    lm_loop.train_and_evaluate(tiny, replicated := os.path.join(root, "replicated"))
+    fsdp = dataclasses.replace(tiny, fsdp=True)
+    lm_loop.train_and_evaluate(dataclasses.replace(fsdp, stop_at=2), resumed := os.path.join(root, "fsdp"))
+    lm_loop.train_and_evaluate(dataclasses.replace(fsdp, resume=True), resumed)
+    print(json.dumps({"replicated": losses(replicated), "fsdp": losses(resumed), **seen[os.path.join(resumed, "metrics.jsonl")]}))
+
+
+def test_fsdp_shards_state_and_trains_what_replicated_trains(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "XLA_FLAGS": host_devices.xla_flags(DEVICES), "JAX_PLATFORMS": "cpu", "BSR_JAX_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    done = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, cwd=root, capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(seen["fsdp"]) == 3 and all(np.isfinite(seen["fsdp"]))
+    np.testing.assert_allclose(seen["fsdp"], seen["replicated"], rtol=1e-5)
+    for leaves in (seen["start"], seen["end"]):  # as restored by the resume, and after its step
+        assert {leaf["path"].split("[")[0] for leaf in leaves} == {"params", "mu", "nu"}
+        for leaf in leaves:
+            shape = leaf["shape"]
+            dim = max((d for d, size in enumerate(shape) if size % DEVICES == 0), key=lambda d: shape[d])  # 257 tokens: the width
+            assert leaf["spec"] == ["None"] * dim + ["data"], leaf
+            assert leaf["shard"] == [size // DEVICES if d == dim else size for d, size in enumerate(shape)], leaf
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
