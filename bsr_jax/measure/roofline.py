@@ -12,7 +12,10 @@ dots and convolutions inside it (custom calls: cuBLAS GEMMs from their dimension
 convolutions from their window), counted as 2 x output elements x contracted elements.
 Elementwise arithmetic and transcendentals are taken as memory-bound. Host transfers
 (``copy-start`` to or from host memory) run on their own link, overlapped with the kernels: the
-step is the larger of the two sums.
+step is the larger of the two sums. A collective is a kernel also bounded by what each of the n
+devices of its group sends over the interconnect (``link_bytes_per_s``) as a ring sends it: the whole
+array x (n-1)/n (all-gather, reduce-scatter, all-to-all), twice that (all-reduce), the array
+(permute); in series with the kernels (pessimistic where a device overlaps it with compute).
 
 What the roofline does not see: occupancy and tail effects (a small kernel does not reach peak
 bandwidth), overlap between kernels on different streams, caches (an operand read twice counts
@@ -27,9 +30,10 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import pallas_kernels
+from bsr_jax.measure.hardware import H100, HARDWARE, TPU_V5P, Hardware  # noqa: F401  (roofline.H100 is read by callers)
 
 _DTYPE_BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
@@ -42,37 +46,17 @@ _HOST_SPACE, _ONCHIP_SPACE = "S(5)", "S(1)"
 _FREE = {
     "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
     "opt-barrier", "add-dependency", "copy-done", "send-done", "recv-done", "all-reduce-done", "all-gather-done",
-    "collective-permute-done", "async-done", "async-update", "iota",
+    "collective-permute-done", "reduce-scatter-done", "all-to-all-done", "async-done", "async-update", "iota",
+}
+# Bytes each device sends per byte of the whole array, for a group of n devices (module docstring).
+_COLLECTIVES = {
+    "all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n, "collective-permute": lambda n: 1.0,
 }
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """Peak rates of one accelerator.
-
-    ``matmul_flops`` maps an operand dtype (HLO's names: ``f32``, ``bf16``, ``s8`` ...) to dense
-    matrix-unit FLOP/s; ``default_flops`` is used for dtypes not listed."""
-
-    name: str
-    hbm_bytes_per_s: float
-    matmul_flops: Mapping[str, float]
-    default_flops: float
-    launch_s: float
-    host_bytes_per_s: float
-
-
-# H100 SXM: 3.35 TB/s HBM3; dense tensor cores 495 TFLOP/s TF32 (JAX's default f32 matmul on
-# H100), 989 bf16/f16, 1979 fp8/int8; PCIe gen5 x16 to the host ~55 GB/s; ~2 us per launch.
-H100 = Hardware(
-    "h100", 3.35e12, {"f32": 495e12, "bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12, "f8e5m2": 1979e12, "s8": 1979e12},
-    495e12, 2e-6, 55e9,
-)
-# TPU v5p (one chip): 2.765 TB/s HBM2e; 459 TFLOP/s bf16 on the MXUs (f32 matmuls at default
-# precision run as bf16 passes there), 918 int8; no kernel launches.
-TPU_V5P = Hardware("tpu-v5p", 2.765e12, {"s8": 918e12}, 459e12, 0.0, 50e9)
-HARDWARE = {"h100": H100, "tpu-v5p": TPU_V5P}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +159,18 @@ def type_bytes(type_: str, skip_onchip: bool = True) -> float:
     )
 
 
+def _group_size(attrs: str) -> int:
+    """Devices per replica group of a collective: ``replica_groups={{0,1,2,3}}`` or the iota form
+    ``replica_groups=[2,4]<=[8]`` (2 groups of 4); a collective-permute's pairs count as 2."""
+    if "source_target_pairs=" in attrs:
+        return 2
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if listed:
+        return len([d for d in listed.group(1).split(",") if d])
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
+    return int(iota.group(2)) if iota else 1
+
+
 def _dims(type_: str) -> tuple[int, ...]:
     return next(_arrays(type_))[1]
 
@@ -249,7 +245,7 @@ class _Model:
     def custom_call_flops(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float]:
         target = _attr(instr.attrs, "custom_call_target") or ""
         config = _backend_config(instr.attrs)
-        out_type = instr.type[1:] if instr.type.startswith("(") else instr.type
+        out_type = instr.type.removeprefix("(")
         if "gemm_backend_config" in config or "cublas" in target:
             numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
             contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
@@ -328,11 +324,12 @@ class _Model:
                 self.host_seconds += times * type_bytes(shapes[instr.operands[0]], skip_onchip=False) / self.hw.host_bytes_per_s
                 continue
             nbytes = self.io_bytes(instr, shapes)
+            link_s = self.link_seconds(instr, shapes)
             if op == "custom-call":
                 flops, compute_s = self.custom_call_flops(instr, shapes)
             else:
                 flops, compute_s = self.own_matmul(instr, shapes)
-            seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s) + self.hw.launch_s
+            seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) + self.hw.launch_s
             meta = re.search(r'op_name="([^"]*)"', instr.attrs)
             self.kernels.setdefault(instr.name, [instr.name, meta.group(1) if meta else "", 0.0, 0.0, 0.0, 0])
             k = self.kernels[instr.name]
@@ -340,6 +337,18 @@ class _Model:
             k[3] += times * nbytes
             k[4] += times * flops
             k[5] += times
+
+    def link_seconds(self, instr: _Instr, shapes: dict[str, str]) -> float:
+        """Seconds a collective's bytes take over the interconnect (0 for anything else)."""
+        kind = instr.opcode.removesuffix("-start")
+        if kind not in _COLLECTIVES or not self.hw.link_bytes_per_s:
+            return 0.0
+        n = _group_size(instr.attrs)
+        if n <= 1:
+            return 0.0
+        # The whole array: all-gather's output, the others' input (a -start's type is a tuple of both).
+        arrays = [type_bytes(shapes[o]) for o in instr.operands] + [math.prod(dims) * _DTYPE_BYTES[dtype] for dtype, dims, _ in _arrays(instr.type)]
+        return max(arrays) * _COLLECTIVES[kind](n) / self.hw.link_bytes_per_s
 
     def own_matmul(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of one kernel: a bare dot/convolution or what its callees compute."""

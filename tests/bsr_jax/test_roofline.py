@@ -12,7 +12,8 @@ from bsr_jax.measure import roofline as rl
 from bsr_jax.measure.compiled import compiled_memory
 
 # Round numbers make every expected time a hand computation: 1 GB/s, 1 GFLOP/s, 1 s a launch.
-TOY = rl.Hardware("toy", hbm_bytes_per_s=1e9, matmul_flops={"bf16": 2e9}, default_flops=1e9, launch_s=1.0, host_bytes_per_s=1e8)
+TOY = rl.Hardware("toy", hbm_bytes_per_s=1e9, matmul_flops={"bf16": 2e9}, default_flops=1e9, launch_s=1.0, host_bytes_per_s=1e8,
+                  link_bytes_per_s=1e8)  # fmt: skip
 
 ELEMENTWISE = """HloModule m
 
@@ -102,6 +103,47 @@ def test_a_loop_body_counts_once_per_trip(annotated):
     assert kernels["f"].bytes == 5 * 2000
     assert kernels["lt"].bytes == 5 * (4 + 4 + 1)  # two s32 in, a pred out
     assert r.seconds == pytest.approx(5 * (2000 / 1e9 + 1.0) + 5 * (9 / 1e9 + 1.0))
+
+
+def _collectives(groups: str) -> str:
+    # As XLA:GPU writes an FSDP step's collectives: a 4 MB f32[1000,1000] gathered from, and its
+    # gradient scattered to, f32[250,1000] shards; a scalar all-reduced; all async (-start/-done).
+    return f"""HloModule m
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+ENTRY %main (w: f32[250,1000], g: f32[1000,1000], l: f32[]) -> (f32[1000,1000], f32[250,1000], f32[]) {{
+  %w = f32[250,1000]{{1,0}} parameter(0)
+  %g = f32[1000,1000]{{1,0}} parameter(1)
+  %l = f32[] parameter(2)
+  %ag = (f32[250,1000]{{1,0}}, f32[1000,1000]{{1,0}}) all-gather-start(%w), channel_id=1, replica_groups={groups}, dimensions={{0}}
+  %agd = f32[1000,1000]{{1,0}} all-gather-done(%ag)
+  %rs = ((f32[1000,1000]{{1,0}}), f32[250,1000]{{1,0}}) reduce-scatter-start(%g), channel_id=2, replica_groups={groups}, dimensions={{0}}, to_apply=%sum
+  %rsd = f32[250,1000]{{1,0}} reduce-scatter-done(%rs)
+  %ar = f32[] all-reduce-start(%l), channel_id=3, replica_groups={groups}, to_apply=%sum
+  %ard = f32[] all-reduce-done(%ar)
+  ROOT %t = (f32[1000,1000]{{1,0}}, f32[250,1000]{{1,0}}, f32[]) tuple(%agd, %rsd, %ard)
+}}
+"""
+
+
+@pytest.mark.parametrize("groups", ["{{0,1,2,3}}", "[1,4]<=[4]"])
+def test_a_collective_costs_what_each_device_sends_over_the_link(groups):
+    """Ring all-gather and reduce-scatter of a 4 MB array over 4 devices: each sends 3 MB, 0.03 s
+    at the toy link's 100 MB/s, over the HBM bound of the bytes they touch (operand and output
+    tuple, as every kernel's are counted: 6 MB, 0.006 s); the
+    scalar all-reduce its 4 bytes x 2 x 3/4; each a launch; the -done halves nothing."""
+    r = rl.roofline(_collectives(groups), TOY)
+    times = {k.name: k.seconds for k in r.kernels}
+    assert set(times) == {"ag", "rs", "ar"}
+    assert times["ag"] == pytest.approx(3e6 / 1e8 + 1.0) and times["rs"] == pytest.approx(3e6 / 1e8 + 1.0)
+    assert times["ar"] == pytest.approx(1.0 + max(8 / 1e9, 4 * 2 * 0.75 / 1e8))
+    one_device = rl.roofline(_collectives("{{0}}"), TOY)
+    assert {k.name: k.seconds for k in one_device.kernels}["ag"] == pytest.approx(6e6 / 1e9 + 1.0)  # no link: HBM alone
 
 
 def test_time_is_monotone_in_bytes_and_flops():
