@@ -13,6 +13,7 @@ import optax
 from jax.extend import core as jax_core
 
 from bsr_jax.rewrite.compress import compress_model
+from bsr_jax.planning.microbatch import accumulated_value_and_grad
 from bsr_jax.planning.options import OPTIONS, abstract, natural
 from bsr_jax.measure.report import module_path
 from bsr_jax.rewrite.rules import Rule
@@ -121,10 +122,12 @@ class Linen:
     def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
         return assemble(self.model, self.blocks, choices, rest, self.outside)
 
-    def step(self, module: nn.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+    def step(self, module: nn.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array],
+             microbatches: int = 1) -> Callable[..., Any]:  # fmt: skip
         def step(variables, opt_state, *batch):
             others = {k: v for k, v in variables.items() if k != "params"}
-            value, grads = jax.value_and_grad(lambda p: loss_fn(module, others | {"params": p}, *batch))(variables["params"])
+            loss = lambda p, *piece: loss_fn(module, others | {"params": p}, *piece)  # noqa: E731
+            value, grads = accumulated_value_and_grad(loss, microbatches)(variables["params"], *batch)
             updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
             return others | {"params": optax.apply_updates(variables["params"], updates)}, opt_state, value
 

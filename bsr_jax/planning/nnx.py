@@ -134,7 +134,10 @@ class Nnx:
             rules.append(Rule("*", OPTIONS[rest].compression))
         return compress_model(module, rules, lean=False) if rules else module
 
-    def step(self, module: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+    def step(self, module: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array],
+             microbatches: int = 1) -> Callable[..., Any]:  # fmt: skip
+        if microbatches != 1:  # plan refuses it first; the forward's state updates would need threading per slice
+            raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
         graphdef = nnx.graphdef(module)
 
         def step(state, opt_state, *batch):

@@ -39,10 +39,8 @@ path), and blocks stacked for ``nnx.scan`` are not supported.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
-import itertools
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -53,87 +51,15 @@ import jax
 import optax
 from flax import nnx
 
-from bsr_jax.planning import nnx as planner_nnx
 from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, check_target, compiled_memory, lower_for
-from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
+from bsr_jax.planning import nnx as planner_nnx
+from bsr_jax.planning.linen import Linen, assemble, find_blocks
+from bsr_jax.planning.microbatch import check_microbatches
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
-from bsr_jax.rewrite.rules import LayerTable, layer_table
+from bsr_jax.planning.result import Measured, Plan
+from bsr_jax.rewrite.rules import layer_table
 
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """One compiled candidate: its choices (block path -> option, ``REST`` -> the rest's), peak
-    (bytes) and modelled step time (seconds)."""
-
-    choices: Mapping[str, str]
-    peak: int
-    seconds: float
-
-    @property
-    def label(self) -> str:
-        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"`` (``", chunked loss"``)."""
-        blocks = [name for path, name in self.choices.items() if path not in (REST, LOSS)]
-        return _label(blocks, self.choices[REST]) + (", chunked loss" if LOSS in self.choices else "")
-
-    @property
-    def approximations(self) -> dict[str, str]:
-        """The approximate options among the choices -> their documented error (empty: exact)."""
-        names = [name for path, name in self.choices.items() if path != LOSS]
-        return {name: OPTIONS[name].approximation for name in dict.fromkeys(names) if not OPTIONS[name].exact}
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What ``plan`` chose. ``model``: a linen module with the dense parameter tree (NNX: a model
-    holding a copy of the user's state, ``nnx.Param`` tree unchanged) and the same forward values,
-    to use in the user's own step with ``loss_fn``, the loss it was measured with (the user's, or
-    ``bsr_jax.chunked_head_loss`` of it where ``plan(loss_chunk=)`` chose that); ``choices``: block
-    path -> option name (``OPTIONS``), ``REST`` -> the rest's, ``LOSS`` -> ``"chunked"`` where the
-    loss is chunked; ``peak``/``modelled_seconds``: its compiled step on
-    ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy;
-    ``None`` where the dense step fits and nothing else was compiled); ``tried``: every candidate
-    compiled, in order; ``table``: the chosen model's per-layer ``LayerTable`` (``compress_model``
-    applies it as is). Its ``str`` is a table marking every approximate choice with its documented
-    error, then ``table``."""
-
-    model: nn.Module | nnx.Module
-    loss_fn: Callable[..., jax.Array]
-    choices: Mapping[str, str]
-    peak: int
-    modelled_seconds: float
-    budget: int
-    target: str
-    dense: Measured
-    remat: Measured | None
-    tried: tuple[Measured, ...]
-    compiled: CompiledStep = dataclasses.field(repr=False)
-    table: LayerTable = dataclasses.field(default=LayerTable(()), repr=False)
-
-    @property
-    def label(self) -> str:
-        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"``."""
-        return Measured(self.choices, self.peak, self.modelled_seconds).label
-
-    def __str__(self) -> str:
-        mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
-        lines = [f"plan for {self.target}, budget {mib(self.budget)} ({self.budget / self.dense.peak:.2f} of dense's peak)",
-                 f"  chosen: {mib(self.peak)} ({self.peak / self.dense.peak:.2f}x), {self.modelled_seconds * 1e3:.2f} ms "
-                 f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
-                 f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",
-                 (f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
-                  f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)" if self.remat else
-                  "  remat per block: not compiled (the dense step fits)"),
-                 "  per block:"]  # fmt: skip
-        note = lambda name: "" if OPTIONS[name].exact else f"  approximate: {OPTIONS[name].approximation}"  # noqa: E731
-        blocks = [(path, name) for path, name in self.choices.items() if path not in (REST, LOSS)]
-        for key, group in itertools.groupby(blocks, key=lambda kv: kv[1]):
-            paths = [p for p, _ in group]
-            lines.append(f"    {paths[0] if len(paths) == 1 else paths[0] + ' .. ' + paths[-1]:<40} {key}{note(key)}")
-        lines.append(f"    {'everything else':<40} {self.choices[REST]}{note(self.choices[REST])}")
-        if LOSS in self.choices:
-            lines.append(f"    {'the loss':<40} chunked (use plan.loss_fn)")
-        return "\n".join(lines) + (f"\n\n{self.table}" if self.table else "")
 
 class Family(Protocol):
     """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planning.nnx.Nnx``)
@@ -153,13 +79,15 @@ class Family(Protocol):
 
     def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
 
-    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array]) -> Callable[..., Any]: ...
+    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array], microbatches: int = 1) -> Callable[..., Any]: ...
 
 class _Search:
     """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
 
-    def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache):
+    def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache,
+                 microbatches: int = 1):  # fmt: skip
         self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
+        self.microbatches = microbatches
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
@@ -167,7 +95,7 @@ class _Search:
         self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
         # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
         leaves, structure = jax.tree.flatten((family.state, batch))
-        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves))
+        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches)
         # Every candidate holds its arguments at once: a floor under any compiled peak. Leaves
         # without a plain dtype (PRNG keys) count nothing, which keeps it a floor.
         arguments = jax.tree.leaves((family.state, self.opt_state, batch))
@@ -177,7 +105,7 @@ class _Search:
         """The hash of the candidate's lowered step: lowering is cheap, compiling is not."""
         key = (tuple(choices), rest, loss)
         if key not in self.lowered:
-            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss])
+            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss], self.microbatches)
             lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
             self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
         return self.lowered[key][0]
@@ -238,16 +166,11 @@ def _available(argument: str, given: Sequence[str] | None, known: Sequence[str],
     return tuple(given)
 
 
-def _label(choices: Sequence[str], rest: str) -> str:
-    runs = [f"{len(list(g))}x{name}" for name, g in itertools.groupby(choices)]
-    return " + ".join(runs) + f", rest {rest}"
-
-
 def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *example_batch: Any, optimizer: optax.GradientTransformation,
-         budget: int | float | str, target: str = "h100", options: Sequence[str] | None = None,
+         budget: float | str, target: str = "h100", options: Sequence[str] | None = None,
          rest_options: Sequence[str] | None = None, approximate: bool = False, verify: int = 3,
          variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
-         cache: dict | None = None, loss_chunk: int | None = None) -> Plan:  # fmt: skip
+         cache: dict | None = None, loss_chunk: int | None = None, microbatches: int = 1) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
 
     Args:
@@ -288,6 +211,11 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         never holds its logits): chosen where it makes the step faster within the budget or is
         needed to fit; then ``plan.loss_fn`` is that loss, for the user's step. Default: the loss
         as given.
+      microbatches: (linen) every candidate step, dense included (so a fractional ``budget`` is of
+        the dense step at this count), takes its gradient as the mean over this many equal slices
+        of the batch, one at a time (``bsr_jax.accumulated_value_and_grad``: exact up to float
+        summation order); it must divide the batch. ``Plan.microbatches`` says it for the user's
+        step. Default 1: the batch at once.
 
     Returns:
       a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
@@ -315,10 +243,13 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if loss_chunk is not None:
         check_chunk(loss_chunk, "loss_chunk")
     batch = abstract(example_batch)
+    microbatches = check_microbatches(microbatches, batch)
+    if microbatches != 1 and family_type is not Linen:
+        raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
     _check_loss(loss_fn, family_type, batch)
     loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
     family: Family = family_type(model, loss_fn, batch, variables, init_args)
-    search = _Search(family, loss_fns, batch, optimizer, target, progress, cache)
+    search = _Search(family, loss_fns, batch, optimizer, target, progress, cache, microbatches)
     blocks = family.blocks
     n = len(blocks)
     if progress:
@@ -379,7 +310,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     for (scope, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
         if scope == search.scope:
             search.cache.setdefault(tuple(key), entry)
-    allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta and key[2] in loss_delta  # noqa: E731  (remat's figure is always compiled)
+    allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta and key[2] in loss_delta
     fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]
     if not fitting:
         raise infeasible(search.smallest(allowed))
@@ -391,9 +322,10 @@ def _plan(family: Family, search: _Search, loss_fns: Mapping[str, Callable[..., 
     (chosen, compiled), (choices, rest, loss) = search.cache[key], key
     model = family.assemble(choices, rest)
     # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
-    table = layer_table(family.step(model, search.optimizer, loss_fns[loss]), family.state, search.opt_state, *search.batch)
+    table = layer_table(family.step(model, search.optimizer, loss_fns[loss], search.microbatches), family.state, search.opt_state, *search.batch)
     return Plan(model=model, loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
-                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, table=table)  # fmt: skip
+                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, table=table,
+                microbatches=search.microbatches)  # fmt: skip
 
 
 __all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]

@@ -1,0 +1,48 @@
+"""Micro-batching (gradient accumulation): one optimizer update from the mean gradient of ``k``
+equal slices of the batch, computed one slice at a time, so a step holds one slice's activations.
+
+``accumulated_value_and_grad(fn, k)`` is ``jax.value_and_grad(fn)`` over a batch split along its
+leading axis into ``k`` slices, run by ``lax.scan``: the loss and gradients are the means over the
+slices, which equal the whole batch's for a loss that is a mean over equal slices (up to float
+summation order). ``plan(..., microbatches=k)`` measures steps built with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def check_microbatches(microbatches: Any, batch: Sequence[Any], argument: str = "microbatches") -> int:
+    """``microbatches`` as an int that divides every batch array's leading axis, else a ``ValueError``
+    naming ``argument`` and the allowed values."""
+    sizes = {a.shape[0] for a in jax.tree.leaves(batch) if getattr(a, "ndim", 0)}
+    allowed = [k for k in range(1, min(sizes, default=1) + 1) if all(n % k == 0 for n in sizes)]
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches not in allowed:
+        raise ValueError(f"{argument} must be an int dividing the batch's leading axis {sorted(sizes)}: one of {allowed}, got {microbatches!r}")
+    return microbatches
+
+
+def accumulated_value_and_grad(fn: Callable[..., jax.Array], microbatches: int) -> Callable[..., tuple[jax.Array, Any]]:
+    """``(params, *batch) -> (loss, grads)``: ``jax.value_and_grad(fn)`` as the mean over
+    ``microbatches`` slices of every batch array's leading axis (which it must divide), one slice at
+    a time. Gradients are accumulated in their own dtype (float32 parameters: float32 sums)."""
+    grad_fn = jax.value_and_grad(fn)
+    if microbatches == 1:
+        return grad_fn
+
+    def accumulated(params, *batch):
+        slices = jax.tree.map(lambda a: a.reshape(microbatches, a.shape[0] // microbatches, *a.shape[1:]), batch)
+
+        def one(total, piece):
+            value, grads = grad_fn(params, *piece)
+            return jax.tree.map(jnp.add, total, (value, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (value, grads), _ = jax.lax.scan(one, zeros, slices)
+        return value / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
+
+    return accumulated

@@ -1,0 +1,101 @@
+"""What ``plan`` returns: ``Plan`` (the chosen step, printed as a table) and ``Measured`` (one
+compiled candidate)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from bsr_jax.measure.compiled import CompiledStep
+from bsr_jax.planning.options import LOSS, OPTIONS, REST
+from bsr_jax.rewrite.rules import LayerTable
+
+
+def _label(choices: Sequence[str], rest: str) -> str:
+    runs = [f"{len(list(g))}x{name}" for name, g in itertools.groupby(choices)]
+    return " + ".join(runs) + f", rest {rest}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One compiled candidate: its choices (block path -> option, ``REST`` -> the rest's), peak
+    (bytes) and modelled step time (seconds)."""
+
+    choices: Mapping[str, str]
+    peak: int
+    seconds: float
+
+    @property
+    def label(self) -> str:
+        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"`` (``", chunked loss"``)."""
+        blocks = [name for path, name in self.choices.items() if path not in (REST, LOSS)]
+        return _label(blocks, self.choices[REST]) + (", chunked loss" if LOSS in self.choices else "")
+
+    @property
+    def approximations(self) -> dict[str, str]:
+        """The approximate options among the choices -> their documented error (empty: exact)."""
+        names = [name for path, name in self.choices.items() if path != LOSS]
+        return {name: OPTIONS[name].approximation for name in dict.fromkeys(names) if not OPTIONS[name].exact}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``plan`` chose. ``model``: a linen module with the dense parameter tree (NNX: a model
+    holding a copy of the user's state, ``nnx.Param`` tree unchanged) and the same forward values,
+    to use in the user's own step with ``loss_fn``, the loss it was measured with (the user's, or
+    ``bsr_jax.chunked_head_loss`` of it where ``plan(loss_chunk=)`` chose that); ``choices``: block
+    path -> option name (``OPTIONS``), ``REST`` -> the rest's, ``LOSS`` -> ``"chunked"`` where the
+    loss is chunked; ``peak``/``modelled_seconds``: its compiled step on
+    ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy;
+    ``None`` where the dense step fits and nothing else was compiled); ``tried``: every candidate
+    compiled, in order; ``table``: the chosen model's per-layer ``LayerTable`` (``compress_model``
+    applies it as is); ``microbatches``: how many slices of the batch the step's gradient is
+    accumulated over (``bsr_jax.accumulated_value_and_grad(loss, microbatches)`` in the user's
+    step). Its ``str`` is a table marking every approximate choice with its documented error, then
+    ``table``."""
+
+    model: nn.Module | nnx.Module
+    loss_fn: Callable[..., jax.Array]
+    choices: Mapping[str, str]
+    peak: int
+    modelled_seconds: float
+    budget: int
+    target: str
+    dense: Measured
+    remat: Measured | None
+    tried: tuple[Measured, ...]
+    compiled: CompiledStep = dataclasses.field(repr=False)
+    table: LayerTable = dataclasses.field(default=LayerTable(()), repr=False)
+    microbatches: int = 1
+
+    @property
+    def label(self) -> str:
+        """The choices in short: ``"4xremat + 8xremat-dots, rest keep"``."""
+        return Measured(self.choices, self.peak, self.modelled_seconds).label
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:,.0f} MiB"
+        lines = [f"plan for {self.target}, budget {mib(self.budget)} ({self.budget / self.dense.peak:.2f} of dense's peak)",
+                 f"  chosen: {mib(self.peak)} ({self.peak / self.dense.peak:.2f}x), {self.modelled_seconds * 1e3:.2f} ms "
+                 f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
+                 f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",
+                 (f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
+                  f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)" if self.remat else
+                  "  remat per block: not compiled (the dense step fits)"),
+                 "  per block:"]  # fmt: skip
+        note = lambda name: "" if OPTIONS[name].exact else f"  approximate: {OPTIONS[name].approximation}"
+        blocks = [(path, name) for path, name in self.choices.items() if path not in (REST, LOSS)]
+        for key, group in itertools.groupby(blocks, key=lambda kv: kv[1]):
+            paths = [p for p, _ in group]
+            lines.append(f"    {paths[0] if len(paths) == 1 else paths[0] + ' .. ' + paths[-1]:<40} {key}{note(key)}")
+        lines.append(f"    {'everything else':<40} {self.choices[REST]}{note(self.choices[REST])}")
+        if LOSS in self.choices:
+            lines.append(f"    {'the loss':<40} chunked (use plan.loss_fn)")
+        if self.microbatches > 1:
+            lines.append(f"    {'the gradient':<40} over {self.microbatches} micro-batches (bsr_jax.accumulated_value_and_grad)")
+        return "\n".join(lines) + (f"\n\n{self.table}" if self.table else "")

@@ -1,0 +1,81 @@
+"""Micro-batching (``bsr_jax.accumulated_value_and_grad``, ``plan(microbatches=)``): the gradient
+of k slices one at a time equals the whole batch's, and the compiled step holds less."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import bsr_jax
+from bsr_jax.planning.microbatch import check_microbatches
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(64)(nn.gelu(nn.Dense(256)(nn.LayerNorm()(x))))
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64)(x)
+        for i in range(3):
+            x = Block(name=f"blocks_{i}")(x)
+        return nn.Dense(10)(x)
+
+
+def _loss(module, variables, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(module.apply(variables, x), y).mean()
+
+
+X = jax.random.normal(jax.random.key(0), (32, 16))
+Y = jnp.arange(32) % 10
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_accumulated_gradient_is_the_whole_batchs(k):
+    net = Net()
+    variables = net.init(jax.random.key(1), X)
+    loss = lambda p, x, y: _loss(net, {"params": p}, x, y)  # noqa: E731
+    whole = jax.jit(jax.value_and_grad(loss))(variables["params"], X, Y)
+    sliced = jax.jit(bsr_jax.accumulated_value_and_grad(loss, k))(variables["params"], X, Y)
+    chex.assert_trees_all_close(sliced, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_a_count_that_does_not_divide_the_batch_is_named():
+    with pytest.raises(ValueError, match=r"microbatches must be an int dividing the batch's leading axis \[32\]: one of \[1, 2, 4, 8, 16, 32\], got 3"):
+        check_microbatches(3, (X, Y))
+    with pytest.raises(ValueError, match="got True"):
+        check_microbatches(True, (X, Y))
+
+
+def test_a_micro_batched_plan_measures_micro_batched_steps():
+    """Dense fits the budget at each count: one compile each. Two micro-batches of 2048 rows keep
+    less than the whole 4096 at once."""
+    x, y = jax.ShapeDtypeStruct((4096, 16), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.int32)
+    common = dict(optimizer=optax.adamw(1e-3), budget="4GiB", target="h100", progress=False)
+    whole = bsr_jax.plan(Net(), _loss, x, y, **common)
+    halves = bsr_jax.plan(Net(), _loss, x, y, microbatches=2, **common)
+    assert (whole.microbatches, halves.microbatches) == (1, 2)
+    assert halves.peak < whole.peak
+    assert "over 2 micro-batches" in str(halves) and "micro-batches" not in str(whole)
+    with pytest.raises(ValueError, match="microbatches must be an int dividing"):
+        bsr_jax.plan(Net(), _loss, x, y, microbatches=3, **common)
+
+
+def test_nnx_models_are_refused_before_anything_compiles():
+    class Tiny(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    with pytest.raises(ValueError, match=r"microbatches > 1 needs a flax.linen model"):
+        bsr_jax.plan(Tiny(nnx.Rngs(0)), lambda m, x: m(x).mean(), X, optimizer=optax.adamw(1e-3), budget=0.5, microbatches=2, progress=False)
