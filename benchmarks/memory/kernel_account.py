@@ -58,12 +58,13 @@ def kind(kernel: roofline.Kernel) -> str:
 def account(fmt: str, triton_gemm: bool | None) -> dict:
     step, args = step_args(s12(FORMATS[fmt]), (128, 32, 32, 3), 10)
     program = compiled.compile_for(step, *args, target="h100", donate_argnums=(0, 1), triton_gemm=triton_gemm)
-    model = roofline.roofline(program.as_text(), "h100")
+    text = program.as_text()
+    model = roofline.roofline(text, "h100")
     us, mib = collections.Counter(), collections.Counter()
     for kernel in model.kernels:
         us[kind(kernel)] += kernel.seconds * 1e6
         mib[kind(kernel)] += kernel.bytes / MIB
-    return dict(format=fmt, triton_gemm=compiled.uses_triton_gemm(program), peak_mib=program.memory_analysis().peak_memory_in_bytes / MIB,
+    return dict(format=fmt, triton_gemm=compiled.uses_triton_gemm(text), peak_mib=program.memory_analysis().peak_memory_in_bytes / MIB,
                 modelled_us=model.seconds * 1e6, kernels=len(model.kernels), us=dict(us), mib=dict(mib))  # fmt: skip
 
 

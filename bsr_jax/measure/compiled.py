@@ -276,7 +276,7 @@ def compile_for(
     as Triton fusions (dequantizing or scaling producers fused into the GEMM), where XLA finds a
     tiling without the device, else as cuBLAS calls with a ``UserWarning`` saying so; ``True``:
     Triton or a ``RuntimeError``; ``False``: cuBLAS. Read the program with ``.as_text()``; which
-    GEMMs it has with ``uses_triton_gemm``."""
+    GEMMs it has with ``uses_triton_gemm`` of that text."""
     target = check_target(target)
     if triton_gemm and target != "h100":
         raise ValueError(f"triton_gemm=True is for target='h100' (XLA:GPU), got target={target!r}")
@@ -296,10 +296,11 @@ def compile_for(
     return lowered.compile(_GPU_OPTIONS | {"xla_gpu_enable_triton_gemm": False} | (options or {}))
 
 
-def uses_triton_gemm(compiled: jax.stages.Compiled) -> bool:
-    """Whether an XLA:GPU program computes its GEMMs in Triton fusions (else cuBLAS custom calls)."""
+def uses_triton_gemm(hlo_text: str) -> bool:
+    """Whether an XLA:GPU program (its ``compiled.as_text()``) computes its GEMMs in Triton fusions
+    (else cuBLAS custom calls)."""
     # XLA's fusion kinds: __triton_gemm, __triton_nested_gemm_fusion (the generic emitter's form).
-    return re.search(r'"kind":"__triton[a-z_]*gemm', compiled.as_text()) is not None
+    return re.search(r'"kind":"__triton[a-z_]*gemm', hlo_text) is not None
 
 
 def compiled_memory(
@@ -343,7 +344,9 @@ def compiled_memory(
     cost = cost[0] if isinstance(cost, list) else cost
     # XLA:TPU reports a negative time for programs its cost model cannot time.
     optimal = seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None
-    modelled = roofline_lib.roofline(compiled.as_text(), target) if target in roofline_lib.HARDWARE else None
+    # The program's text, read once where the roofline and the GEMM kind parse it (not for the host).
+    text = compiled.as_text() if target in roofline_lib.HARDWARE else ""
+    modelled = roofline_lib.roofline(text, target) if text else None
     # XLA's own peak as scheduled where it reports one; else the bound CompiledMemory gives. XLA:CPU's
     # peak leaves its temporaries out (arguments and outputs only): on the host, the bound instead.
     peak = int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)) or memory.peak
@@ -360,5 +363,5 @@ def compiled_memory(
         live_at_peak=live,
         live_peak=live_peak,
         kernels=modelled.top(10) if breakdown and modelled else (),
-        triton_gemm=target == "h100" and uses_triton_gemm(compiled),
+        triton_gemm=target == "h100" and uses_triton_gemm(text),
     )
