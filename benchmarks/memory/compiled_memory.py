@@ -235,13 +235,16 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--targets", nargs="+", choices=DEVICELESS_TARGETS, default=list(DEVICELESS_TARGETS))
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
-    parser.add_argument("--out", default="benchmarks/results/compiled_memory.json")
-    parser.add_argument("--triton-gemm", choices=("auto", "on", "off"), default="auto",
-                        help="H100 GEMMs: Triton fusions where XLA tiles them deviceless (auto), always (on), or cuBLAS "
-                             "(off: the instrument of RESULTS 10-13, whose rows have no triton_gemm field)")
+    # One instrument per JSON: rows are skipped and replaced by (model, setting, target), and the
+    # plane divides each row by the dense row of its file.
+    parser.add_argument("--triton-gemm", choices=("auto", "on", "off"), default="off",
+                        help="H100 GEMMs: cuBLAS (off, the default: the instrument of RESULTS 10-13 and of --out's default), "
+                             "Triton fusions where XLA tiles them deviceless (auto) or always (on)")
+    parser.add_argument("--out", help="default: benchmarks/results/compiled_memory.json (off), compiled_memory-triton.json (auto, on)")
     parser.add_argument("--table-only", action="store_true", help="print the table of --out and exit")
     parser.add_argument("--remeasure", action="store_true", help="measure the chosen rows again even where --out has them")
     args = parser.parse_args(argv)
+    args.out = args.out or f"benchmarks/results/compiled_memory{'' if args.triton_gemm == 'off' else '-triton'}.json"
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": []}
     if not args.table_only:
         meta = run_metadata()

@@ -151,7 +151,8 @@ def measure(model: str, setting: str, target: str, seq_len: int, batch: int | No
         raise SystemExit(f"{setting}: the memory limit is lifted for h100 only")
     with layer_policy(setting), no_memory_limit(lifted):
         step, args, shape = step_args(config)
-        r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True)
+        # cuBLAS GEMMs: the instrument of lm_compiled.json's rows (RESULTS 11.2), which new rows join.
+        r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True, triton_gemm=False)
     logits_f32 = config.batch_size * shape.seq_len * shape.vocab_size * 4
     top = [{"op": b.op, "mib": b.bytes / MIB} for b in r.live_at_peak[:10]]
     logits_in_top = logits_sized(top, logits_f32)
