@@ -3,6 +3,7 @@
 # First, before jax starts: no plugin noise on a machine without an accelerator (see its docstring).
 from bsr_jax import _environment  # noqa: F401  isort: skip
 from bsr_jax.rewrite.compress import compress_model
+from bsr_jax.core.names import name_policy, tensor_names
 from bsr_jax.ops.head_loss import chunked_head_loss
 from bsr_jax.ops.conv import Conv, compressed_conv
 from bsr_jax.ops.elementwise import bsr_scale_shift
@@ -39,6 +40,8 @@ from bsr_jax.planning import nnx as planner_nnx  # noqa: F401
 
 __all__ = [
     "compress_model",
+    "name_policy",
+    "tensor_names",
     "chunked_head_loss",
     "head_loss",
     "plan",

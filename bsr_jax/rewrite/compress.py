@@ -19,6 +19,11 @@ each). With ``lean=True`` (the default) the neighbours keep less too, all exact:
 activations and attention by name (``bsr_jax.rewrite.lean``), and hand-written ones by what they compute
 (``bsr_jax.rewrite.lean_graph``: each module's own equations under ``jax.checkpoint``, cheap ops recomputed).
 
+Every ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` without a product hook of its own (and, NNX,
+every ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Conv``) is routed, compressed or not, so its
+product's operand and result carry ``checkpoint_name``s (``bsr_jax.core.names``): ``"<path>:input"``,
+``"<path>:output"``, identities outside ``jax.checkpoint``, for policies by name.
+
 Left dense and reported (``UserWarning`` naming the path and the reason, ``layer_choice.report_dense``):
 modules with their own ``dot_general``/``dot_general_cls`` or ``conv_general_dilated(_cls)``,
 DenseGeneral with batch dims, non-float inputs, products that are not a plain linear map,
@@ -55,7 +60,7 @@ from bsr_jax.rewrite import lean_graph
 from bsr_jax.ops.dx import check_dx
 from bsr_jax.rewrite import lean as lean_ops
 from bsr_jax.rewrite import rules as rules_lib
-from bsr_jax.core import layer_choice, sharding
+from bsr_jax.core import layer_choice, names, sharding
 from bsr_jax.ops.conv import Conv, channels_last_dimension_numbers, compressed_conv
 from bsr_jax.storage.format import BlockSparse
 from bsr_jax.storage.pruning import Pruning
@@ -166,24 +171,30 @@ def _route_linen(shared: _SharedBlocks):
         if context.method_name != "__call__" or not routed or isinstance(module, (PrunedModule, Conv)):
             return next_fun(*args, **kwargs)
         compression = layer_choice.lookup(module)
-        if compression is NO_MATCH or compression is None or module.is_initializing():
+        if module.is_initializing():
             return next_fun(*args, **kwargs)
         path = layer_choice.module_path(module)
         call = lambda: next_fun(*args, **kwargs)
-        key = intercept.pruning_key(compression, module)
+        # Layers no rule compresses are routed too, for their tensors' names (names.tagged).
+        dense = compression is NO_MATCH or compression is None
         if isinstance(module, REPORTED_LINEN):
-            layer_choice.report_dense(path, f"{type(module).__name__} is not routed (nn.Dense, nn.DenseGeneral, nn.Conv and subclasses are)")
+            if not dense:
+                layer_choice.report_dense(path, f"{type(module).__name__} is not routed (nn.Dense, nn.DenseGeneral, nn.Conv and subclasses are)")
             return call()
+        key = None if dense else intercept.pruning_key(compression, module)
         if isinstance(module, ROUTED_LINEN_CONV):
             if module.conv_general_dilated is not None or module.conv_general_dilated_cls is not None:
-                layer_choice.report_dense(path, "the module has its own conv_general_dilated")
+                if not dense:
+                    layer_choice.report_dense(path, "the module has its own conv_general_dilated")
                 return call()
-            return _replaced(module, "conv_general_dilated", _compressing_conv(compression, key, path), call)
+            conv = lax.conv_general_dilated if dense else _compressing_conv(compression, key, path)
+            return _replaced(module, "conv_general_dilated", names.tagged(conv, path), call)
         if module.dot_general is not None or module.dot_general_cls is not None or getattr(module, "batch_dims", ()):
-            layer_choice.report_dense(path, "the module has its own dot_general or batch dims")
+            if not dense:
+                layer_choice.report_dense(path, "the module has its own dot_general or batch dims")
             return call()
-        dot_general = _compressing_dot_general(compression, key, shared, path, source=args[0] if args else None)
-        return _replaced(module, "dot_general", dot_general, call)
+        dot_general = lax.dot_general if dense else _compressing_dot_general(compression, key, shared, path, source=args[0] if args else None)
+        return _replaced(module, "dot_general", names.tagged(dot_general, path), call)
 
     return interceptor
 
@@ -258,10 +269,14 @@ def _nnx_compress(model: nnx.Module, rules: rules_lib.Rules, lean: bool) -> nnx.
     table = _nnx_table(model, rules)
     modules = dict(layer_choice.nnx_module_paths(model))
     for row in table:
-        if isinstance(modules[row.path], ROUTED_NNX_CONV) and row.compression is not None:
-            modules[row.path].conv_general_dilated = _compressing_conv(row.compression, None, row.path)
-        elif row.compression is not None:
-            modules[row.path].dot_general = _compressing_dot_general(row.compression, None, None, row.path)
+        module = modules[row.path]
+        # Dense rows are routed too, for their tensors' names: their own product, named.
+        if isinstance(module, ROUTED_NNX_CONV):
+            conv = module.conv_general_dilated if row.compression is None else _compressing_conv(row.compression, None, row.path)
+            module.conv_general_dilated = names.tagged(conv, row.path)
+        elif isinstance(module, ROUTED_NNX):
+            dot_general = module.dot_general if row.compression is None else _compressing_dot_general(row.compression, None, None, row.path)
+            module.dot_general = names.tagged(dot_general, row.path)
     # NNX modules are called directly, outside any context of ours: the root's class becomes a
     # subclass whose __call__ shows the table to a collecting trace (layer_table, residual_report)
     # and, with lean, runs inside lean_neighbours (split/merge keep the subclass).

@@ -14,7 +14,9 @@ axes, one float dtype, no other ``preferred_element_type``, no ``out_sharding``)
 x's trailing and w's leading ones are transposed into that form first (then the product runs on
 the transposed operands: the same sums, possibly in another order). A product on a parameter that
 cannot be routed is reported once per layer (``UserWarning`` naming the path and why) and runs as
-is. Products with no parameter operand (attention's ``q @ k``) are left alone, unreported.
+is. Products with no parameter operand (attention's ``q @ k``) are left alone, unreported. Every
+product on a parameter of a layer, routed or not, names its activation operand and its result
+(``bsr_jax.core.names``: ``"<layer path>:input"``, ``":output"``) for ``jax.checkpoint`` policies.
 
 Which arrays are parameters is tracked at ``jax.core.Primitive.bind``: while a context is active,
 every primitive whose array inputs are all parameter-derived (Python or concrete scalars aside)
@@ -40,9 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jax_core
 
-from bsr_jax.core import layer_choice
+from bsr_jax.core import layer_choice, names
 from bsr_jax.core.jax_private import tensor_contractions
 from bsr_jax.ops.linear import linear_dims, merge_contracted, pruned_dot_general
 from bsr_jax.core.patching import ProcessWidePatch
@@ -163,6 +166,7 @@ def _routed(lhs, rhs, dims, precision, extra: dict[str, Any]):
     if reason is not None:
         _report_once(state, path, f"a product on a parameter is not routed: {reason}")
         return None
+    x = checkpoint_name(x, names.tensor_name(path, names.INPUT))
     x_free = [a for a in range(x.ndim) if a not in x_axes]
     w_free = [a for a in range(w.ndim) if a not in w_axes]
     x_perm, w_perm = (*x_free, *x_axes), (*w_axes, *w_free)
@@ -177,14 +181,26 @@ def _routed(lhs, rhs, dims, precision, extra: dict[str, Any]):
         state.routing = False
     if lhs_param:  # dot_general's output lists lhs's free axes (here w's) first
         y = lax.transpose(y, (*range(len(x_free), y.ndim), *range(len(x_free))))
-    return y
+    return checkpoint_name(y, names.tensor_name(path, names.OUTPUT))
+
+
+def _named(product, a, b, *args, **kwargs):
+    """``product(a, b, ...)`` not routed: where it is a product on a parameter of a layer, its
+    activation operand and result named as a routed product's (``names.tagged``), for policies."""
+    state = _state()
+    if state is None or state.routing or not state.frames or not state.frames[-1][1] or _derived(state, a) == _derived(state, b):
+        return product(a, b, *args, **kwargs)
+    path = layer_choice.module_path(state.frames[-1][0])
+    if _derived(state, a):
+        return names.tagged(lambda x, w, *rest, **kw: product(w, x, *rest, **kw), path)(b, a, *args, **kwargs)
+    return names.tagged(product, path)(a, b, *args, **kwargs)
 
 
 def _dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
     extra = {"preferred_element_type": preferred_element_type, **kwargs}
     y = _routed(lhs, rhs, dimension_numbers, precision, extra)
     if y is None:
-        return _ORIGINAL["dot_general"](lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+        return _named(_ORIGINAL["dot_general"], lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type, **kwargs)
     return y
 
 
@@ -212,7 +228,7 @@ def _matrix_product(name: str):
             y = _routed(a, b, (((jnp.ndim(a) - 1,), (0,)), ((), ())), precision, extra)
             if y is not None:
                 return y
-        return original(a, b, precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+        return _named(original, a, b, precision=precision, preferred_element_type=preferred_element_type, **kwargs)
 
     product.__name__ = product.__qualname__ = name
     product.__doc__ = original.__doc__
