@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from bsr_jax.core.names import name_policy
 from bsr_jax.storage.pruning import Pruning
 
 REST = "(rest)"  # the choices' key for everything outside the blocks
@@ -21,7 +22,8 @@ class Option:
     """What one block does: its layers' compression (``None``: exact dW), lean neighbours, an
     approximate-dx format, or a remat policy (``remat=True``: the whole block under
     ``jax.checkpoint(policy=policy)``, ``policy=None`` keeping nothing). ``approximation``: what
-    the option changes in the gradients and its documented error (``None``: exact)."""
+    the option changes in the gradients and its documented error (``None``: exact). ``opt_in``:
+    searched only where named in ``plan``'s ``options`` (each option searched costs compiles)."""
 
     compression: Pruning | None = None
     lean: bool = True
@@ -29,6 +31,7 @@ class Option:
     remat: bool = False
     policy: Callable[..., bool] | None = None
     approximation: str | None = None
+    opt_in: bool = False
 
     @property
     def exact(self) -> bool:
@@ -36,6 +39,11 @@ class Option:
         return self.approximation is None
 
 
+# Attention's q/k/v projections by layer name (flax's MultiHeadDotProductAttention: query/key/value;
+# GPT-2: c_attn; Llama-style: q_proj), and a MLP's layers by a module on their path.
+QKV_LAYERS = ("q", "k", "v", "query", "key", "value", "qkv", "c_attn", "q_proj", "k_proj", "v_proj", "qkv_proj")
+_QKV_OUTPUTS = tuple(glob for layer in QKV_LAYERS for glob in (f"{layer}:output", f"*/{layer}:output"))
+_MLP_OUTPUTS = ("*[Mm][Ll][Pp]*:output", "*[Ff][Ff][Nn]*:output", "*[Ff]eed[Ff]orward*:output", "*feed_forward*:output")
 _INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 # The errors are relative Frobenius errors against plain autodiff, measured on small models.
 _DW_INT4 = "dW from int4 inputs, error 0.04-0.23 (docs/RESULTS.md 3b)"
@@ -50,8 +58,14 @@ OPTIONS: Mapping[str, Option] = {
     "remat-dots": Option(remat=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     "remat-dots-all": Option(remat=True, policy=jax.checkpoint_policies.dots_saveable),
     "remat-offload": Option(remat=True, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
+    # MaxText's named policies (minimal, save_qkv_proj, save_dot_except_mlp, qkv_proj_offloaded) on
+    # compress_model's tensor names (bsr_jax.core.names): linear layers found by their path.
+    "remat-minimal": Option(remat=True, policy=name_policy({"*:output": "keep"}), opt_in=True),
+    "remat-save-qkv": Option(remat=True, policy=name_policy(dict.fromkeys(_QKV_OUTPUTS, "keep")), opt_in=True),
+    "remat-save-dots-except-mlp": Option(remat=True, policy=name_policy({**dict.fromkeys(_MLP_OUTPUTS, "recompute"), "*:output": "keep"}), opt_in=True),
+    "remat-offload-qkv": Option(remat=True, policy=name_policy(dict.fromkeys(_QKV_OUTPUTS, "offload")), opt_in=True),
 }
-EXACT = tuple(name for name, option in OPTIONS.items() if option.exact)
+EXACT = tuple(name for name, option in OPTIONS.items() if option.exact and not option.opt_in)  # plan's default search
 REST_OPTIONS = ("keep", "lean", "int4")  # OPTIONS' names, for everything outside the blocks
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

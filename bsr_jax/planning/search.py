@@ -153,10 +153,10 @@ def _check_loss(loss_fn: Callable[..., jax.Array], family: type, batch: Sequence
 
 def _available(argument: str, given: Sequence[str] | None, known: Sequence[str], family: type, approximate: bool) -> tuple[str, ...]:
     """``given`` checked against ``known`` and what ``family`` cannot take; ``None``: all it can
-    that are exact, or with ``approximate`` all it can."""
+    that are exact, or with ``approximate`` all it can (opt-in ones only by name)."""
     unavailable = family.unavailable if argument == "options" else family.rest_unavailable
     if given is None:
-        return tuple(o for o in known if o not in unavailable and (approximate or OPTIONS[o].exact))
+        return tuple(o for o in known if o not in unavailable and not OPTIONS[o].opt_in and (approximate or OPTIONS[o].exact))
     unknown = [o for o in given if o not in known]
     if unknown:
         raise ValueError(f"{argument} {unknown} unknown; choose from {tuple(known)}")
@@ -192,7 +192,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
       options: names from ``OPTIONS`` the blocks may take; ``"keep"`` is always included. Default:
         the exact ones (``EXACT``) the model's kind can take (NNX: not ``"lean"``, which needs
         linen's rules by path; naming it is a ``ValueError``). Naming approximate ones here opts in
-        to them.
+        to them, as naming MaxText's named policies (``remat-minimal``, ``remat-save-qkv``, ...)
+        does: searched only when named.
       rest_options: what everything outside the blocks may take (``REST_OPTIONS``; NNX: not
         ``"lean"``); ``"keep"`` is always included. Default: the exact ones (``int4`` is not).
       approximate: with the default ``options``/``rest_options``, also search the approximate ones

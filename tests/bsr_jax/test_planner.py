@@ -408,8 +408,9 @@ def test_nnx_candidates_are_clones_with_the_users_params_and_forward():
     x = jax.random.normal(jax.random.key(2), (8, 32))
     np.testing.assert_array_equal(module(x), net(x))
     chex.assert_trees_all_equal_shapes_and_dtypes(nnx.state(module, nnx.Param), nnx.state(net, nnx.Param))
-    # Each block its own treatment; the rest's int4 only outside the blocks.
-    compressed = {path for path, m in bsr_jax.core.layer_choice.nnx_module_paths(module) if isinstance(m, nnx.Linear) and m.dot_general is not jax.lax.dot_general}
+    # Each block its own treatment; the rest's int4 only outside the blocks. Every layer's product is
+    # named (bsr_jax.core.names.tagged), compressed or not: the compressed ones are replaced.
+    compressed = {path for path, m in bsr_jax.core.layer_choice.nnx_module_paths(module) if isinstance(m, nnx.Linear) and m.dot_general.untagged is not jax.lax.dot_general}
     assert compressed == {"stem", "head", "blocks/0/up", "blocks/0/down", "blocks/3/up", "blocks/3/down"}
     assert [type(b).__call__ is NnxBlock.__call__ for b in module.blocks] == [True, False, True, True]
     # The user's model: its classes, layers and arrays as they were.
