@@ -119,7 +119,8 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", choices=sorted(cm.MODELS), default=list(cm.MODELS))
     parser.add_argument("--targets", nargs="+", choices=cm.DEVICELESS_TARGETS, default=list(cm.DEVICELESS_TARGETS))
     parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
-    parser.add_argument("--options", nargs="+", choices=list(planner.OPTIONS), default=list(planner.OPTIONS))
+    # The opt-in named policies only when asked: each option searched costs compiles per plan.
+    parser.add_argument("--options", nargs="+", choices=list(planner.OPTIONS), default=[o for o, option in planner.OPTIONS.items() if not option.opt_in])
     parser.add_argument("--loss-chunk", type=int, default=0, help="the loss through bsr_jax.chunked_head_loss with this chunk; "
                         "budgets and ratios against the plain loss's dense step, from that model's plain rows (default: 0, plain)")
     parser.add_argument("--out", default="benchmarks/results/plan_table.json")
