@@ -38,6 +38,8 @@ FORMATS = {
     "int8-rows": Pruning(0.0, block=(1, 128), storage_dtype="int8"),
     "int4": Pruning(0.0, block=16, storage_dtype="int4"),
     "int4-rows": Pruning(0.0, block=(1, 128), storage_dtype="int4"),
+    "int8-row": Pruning(0.0, block="row", storage_dtype="int8"),
+    "int4-row": Pruning(0.0, block="row", storage_dtype="int4"),
 }
 TRITON = {"auto": None, "on": True, "off": False}
 

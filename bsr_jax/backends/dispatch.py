@@ -23,6 +23,7 @@ import cpu_kernels
 from bsr_jax.core import platforms
 from bsr_jax.core import sharding
 from bsr_jax.storage.format import BlockSparse
+from bsr_jax.storage.quantize import whole_rows
 from bsr_jax.backends.pallas import pallas_dw
 from bsr_jax.backends.xla import xla_dw
 
@@ -61,10 +62,22 @@ def cpu_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
     )
 
 
+def full_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
+    """dW from every block, kept: densify and multiply once. x kept in token rows (one scale per
+    row, ``block="row"``) and dy no wider than x: ``codes.T @ (scales * dy)``, the same sum with
+    the scales on dy's rows, so the GEMM reads the stored codes (XLA:GPU fuses their conversion
+    into it) and the one extra pass is over the narrower of x and dy."""
+    if bsr.scales is None or not whole_rows(bsr.block, bsr.shape[1]) or dy.shape[1] > bsr.shape[1]:
+        return reference_dw(bsr, dy)
+    codes = bsr.values.reshape(bsr.padded_shape).astype(dy.dtype)
+    scaled = (dy.astype(jnp.float32) * bsr.scales[:, None]).astype(dy.dtype)
+    return jnp.matmul(codes.T, scaled, preferred_element_type=jnp.float32)
+
+
 def _dense_when_full(sparse_dw: DwBackend) -> DwBackend:
     # Every block kept (sparsity 0 with a storage dtype): a sparse kernel has nothing to skip, and
-    # no indices are stored, so densify and multiply once.
-    return lambda bsr, dy: reference_dw(bsr, dy) if bsr.is_full else sparse_dw(bsr, dy)
+    # no indices are stored.
+    return lambda bsr, dy: full_dw(bsr, dy) if bsr.is_full else sparse_dw(bsr, dy)
 
 
 BACKENDS: dict[str, DwBackend] = {

@@ -65,7 +65,9 @@ from bsr_jax.storage.quantize import (  # noqa: F401
 )
 
 Criterion = Literal["l2", "l1"]
-BlockSpec = int | tuple[int, int]
+BlockSpec = int | tuple[int, int] | Literal["row"]
+# block="row": blocks this wide are clamped to x's width, one per row (bsr_jax.storage.quantize).
+ROW_WIDTH = 2**31 - 1
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -128,7 +130,7 @@ class BlockSparse:
     def nbytes(self) -> int:
         """Bytes held by the stored arrays (values, per-block scales and indices)."""
         arrays = (self.values, self.block_rows, self.col_ptr, self.scales)
-        return sum(a.size * a.dtype.itemsize for a in arrays if a is not None)
+        return sum(array_bytes(a) for a in arrays if a is not None)
 
     def dequantized(self) -> BlockSparse:
         """The same blocks as ``(cap, bm, bk)`` values in the original input dtype and no scales
@@ -183,11 +185,21 @@ def _block_starts(row_ids: jax.Array, col_ids: jax.Array, block: tuple[int, int]
     return jnp.stack([row_ids.astype(jnp.int32) * block[0], col_ids.astype(jnp.int32) * block[1]], axis=1)
 
 
+def array_bytes(a: jax.Array | jax.ShapeDtypeStruct) -> int:
+    """Bytes of ``a`` as XLA holds it on an accelerator: 4-bit integers two to a byte (NumPy's
+    ``itemsize`` counts them as one byte each)."""
+    bits = jnp.iinfo(a.dtype).bits if jnp.issubdtype(a.dtype, jnp.integer) else 8 * a.dtype.itemsize
+    return math.ceil(a.size * bits / 8)
+
+
 def normalize_block(block: BlockSpec) -> tuple[int, int]:
-    """``16 -> (16, 16)``; ``(bm, bk)`` is checked and returned as a tuple of ints."""
+    """``16 -> (16, 16)``; ``"row"`` -> ``(1, ROW_WIDTH)`` (one block per row of x, as wide as x
+    once clamped to it); ``(bm, bk)`` is checked and returned as a tuple of ints."""
+    if block == "row":
+        return 1, ROW_WIDTH
     pair = (block, block) if isinstance(block, int) else tuple(block) if isinstance(block, (tuple, list)) else (block,)
     if len(pair) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in pair):
-        raise ValueError(f"block must be a positive int or a pair of positive ints (rows, cols), got {block!r}")
+        raise ValueError(f"block must be a positive int, a pair of positive ints (rows, cols) or 'row', got {block!r}")
     return pair
 
 

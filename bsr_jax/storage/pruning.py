@@ -38,6 +38,9 @@ class Pruning:
         in low precision with it (no indices stored).
       block: ``bm`` (rows of the input flattened to ``(M, K)``) by ``bk`` (columns); an int means
         square blocks; stored as a pair. A block larger than the matrix is clamped to it.
+        ``"row"``: one block per row (per token), as wide as x: with a ``storage_dtype``, one
+        scale per row and the codes in x's layout, the format XLA:GPU's dW GEMM reads as stored
+        (``bsr_jax.storage.quantize``).
       criterion: block magnitude used for ranking, ``"l2"`` or ``"l1"``.
       selection: ``"global"`` keeps the largest blocks of the whole matrix; ``"column"`` the same
         number in every block-column.

@@ -19,6 +19,13 @@ An all-zero block gets scale 1; a block holding NaN or inf gets a NaN scale, so 
 reaches the weight gradient, as it would in dense training. ``v / s`` and ``max|block| / limit`` are
 computed as ``v * (1 / s)`` and ``max|block| * (1 / limit)`` (what XLA compiles them to).
 
+Blocks one row high and as wide as x (``block="row"``: one scale per row of x, per token) are stored
+in x's own layout on every platform, ``"int4"`` as XLA's own 4-bit integers (``jnp.int4``, two to a
+byte on GPU and TPU) rather than packed bytes: ``quantize_token_rows``. It is the layout XLA:GPU fuses
+(measured deviceless on H100 with Triton GEMMs): the row maxima into x's producer (a multi-output
+reduction), and the codes into the weight-gradient GEMM, which reads them as they are stored because
+the scales multiply dy's rows instead (``codes.T @ (scales * dy)``, the same sum): no dequantized copy.
+
 A whole matrix (every block kept: ``bsr_jax.from_dense`` at sparsity 0) is quantized by
 ``quantize_matrix`` and read back by ``dequantize_matrix``, with the same per-block scales and
 values but a layout that follows the platform lowered for:
@@ -61,6 +68,38 @@ def _block_scales(v: jax.Array, limit: float) -> jax.Array:
     # Multiplications by reciprocals, as XLA compiles divisions by a constant or a broadcast scale:
     # eager, jitted and cpu_kernels.quantize_blocks results then agree bitwise.
     return jnp.where(amax > 0, amax * (1.0 / limit), jnp.where(amax == 0, 1.0, amax))
+
+
+def whole_rows(block: tuple[int, int], width: int) -> bool:
+    """Whether ``block`` cuts a matrix ``width`` columns wide into whole rows (``block="row"``)."""
+    return block[0] == 1 and block[1] >= width
+
+
+def quantize_token_rows(
+    x: jax.Array, storage_dtype: StorageDtype, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """``x (M, K)`` with one scale per row: ``(M, 1, K)`` codes (``"int4"``: ``jnp.int4``) and
+    ``(M,)`` float32 scales, by ``quantize_blocks``' rule (the same scales and rounding as blocks of
+    ``(1, K)``), in x's row order on every platform."""
+    if storage_dtype == "bfloat16":
+        return x.astype(jnp.bfloat16)[:, None, :], None
+    limit = _LIMITS[storage_dtype]
+    v = x.astype(jnp.float32)
+    scales = _block_scales(v[:, None, :], limit)
+    scaled = v * (1.0 / scales)[:, None]
+    if storage_dtype == "float8_e4m3fn":
+        return scaled.astype(jnp.float8_e4m3fn)[:, None, :], scales
+    rounded = jnp.round(scaled) if key is None else jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
+    codes = jnp.clip(rounded, -limit, limit).astype(jnp.int8 if storage_dtype == "int8" else jnp.int4)
+    return codes[:, None, :], scales
+
+
+def dequantize_token_rows(stored: jax.Array, scales: jax.Array | None, shape: tuple[int, int], dtype) -> jax.Array:
+    """The ``(M, K)`` matrix in ``dtype`` from what ``quantize_token_rows`` stored."""
+    values = stored.reshape(shape).astype(jnp.float32)
+    if scales is not None:
+        values = values * scales[:, None]
+    return values.astype(dtype)
 
 
 def _pack_int4(q: jax.Array) -> jax.Array:
@@ -243,6 +282,9 @@ def quantize_matrix(
     recomputed ResMLP's GELU in both the scale reduction and the int4 packing, whose loop then took
     longer than the layer's matmul)."""
 
+    if storage_dtype is not None and whole_rows(block, x.shape[1]):
+        return quantize_token_rows(x, storage_dtype, key)
+
     def in_blocks(x):
         return quantize_blocks(to_blocks(pad_to_blocks(x, block), block), storage_dtype, key)
 
@@ -258,6 +300,9 @@ def dequantize_matrix(
 ) -> jax.Array:
     """The padded ``(Mb * bm, Kb * bk)`` matrix in ``dtype`` from what ``quantize_matrix`` stored,
     read in the layout of the platform lowered for (``storage_dtype=None``: blocks kept as they are)."""
+
+    if storage_dtype is not None and grid[1] == 1 and block[0] == 1:
+        return dequantize_token_rows(stored, scales, (grid[0], block[1]), dtype)
 
     def in_blocks(stored, scales):
         return from_blocks(dequantize_blocks(stored, scales, storage_dtype, block, dtype), grid)
