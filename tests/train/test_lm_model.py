@@ -145,6 +145,7 @@ def test_lean_pass_reaches_inside_scan(remat):
     chex.assert_trees_all_close(jax.jit(jax.grad(lambda p: _loss(compressed, p)))(params), grads, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # test_dx holds the stored formats, test_compress_model_reaches_every_layer_inside_scan_and_remat the scan
 def test_dx_inside_scan_stores_what_the_loop_stores():
     """``compress_model(..., dx=...)`` reaches the scan's body: the scanned model's gradients are
     the Python loop's under the same approximate-dx format (int8 inputs of norms, activations and

@@ -67,6 +67,7 @@ def test_a_few_real_steps_lower_the_loss(cache):
     assert run_dir.latest_checkpoint_step(str(workdir)) == 40
 
 
+@pytest.mark.slow  # test_loop's bit-identical resume and test_lm_fsdp's compressed resume hold the claim
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")  # the test's own restore, without a target
 def test_resume_is_bit_identical_with_compressed_scanned_remat_layers(cache, compilation_cache):
     # Stochastic int4 rounding: the resumed steps must also draw the same pruning keys.
@@ -139,6 +140,7 @@ def test_cli_errors_are_one_line(cache, capsys):
     assert not os.path.exists(workdir) or not os.listdir(workdir)
 
 
+@pytest.mark.slow  # test_losses and test_head_loss hold the equality; this repeats it through the CLI
 def test_chunked_loss_equals_the_plain_head_and_loss():
     import jax
     import jax.numpy as jnp
@@ -159,7 +161,7 @@ def test_chunked_loss_equals_the_plain_head_and_loss():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow  # 23 s; data parallel equal to one device holds in test_loop's 4-device check
+@pytest.mark.slow  # 23 s; test_sharding (every op on 4 devices) and test_lm_fsdp (4 devices, FSDP against replicated) hold the claim
 def test_cli_on_4_devices_trains_what_one_device_trains(cache):
     """``python -m train.lm`` in a fresh interpreter on 4 forced host devices (each compresses its
     own shard: int8 blocks that do not straddle shards) against the same flags on one device."""
@@ -181,6 +183,7 @@ def test_cli_on_4_devices_trains_what_one_device_trains(cache):
         np.testing.assert_allclose(four, one, rtol=2e-5)
 
 
+@pytest.mark.slow  # test_dx holds approximate dx; this repeats it through the CLI
 def test_dx_flag_trains_with_approximate_input_gradients(cache, monkeypatch):
     """``--dx int8`` reaches ``bsr_jax.compress_model(..., dx="int8")``, is recorded in config.json, and
     a couple of steps train to a finite loss."""

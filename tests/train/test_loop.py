@@ -230,6 +230,7 @@ def test_writes_config_memory_and_refuses_to_overwrite(generated_data, tmp_path)
         loop.train_and_evaluate(config(steps=2), str(tmp_path))
 
 
+@pytest.mark.slow  # test_sharding (every op on 4 devices), test_resnet's and test_lm_fsdp's 4-device steps hold the claim
 def test_data_parallel_matches_single_device():
     # XLA flags must be set before JAX starts, hence a fresh interpreter with 4 host devices.
     script = os.path.join(os.path.dirname(__file__), "data_parallel_check.py")
