@@ -76,7 +76,7 @@ def plugin_installed(target: str) -> bool:
 
 def target_devices(target: str) -> tuple[Any, ...]:
     """Devices of a deviceless ``target`` topology (``"h100"``: 8 GPUs of one host; ``"tpu-v5p"``:
-    a 2x2x1 slice), or the host's own for ``"host"``; any case."""
+    a 2x2x2 slice: 8 chips), or the host's own for ``"host"``; any case."""
     return _target_devices(check_target(target))
 
 
@@ -94,7 +94,7 @@ def _target_devices(target: str) -> tuple[Any, ...]:
         else:
             # Compiling needs no TPU, so several processes (pytest workers) may load libtpu at once.
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-            topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+            topo = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu")
     except (RuntimeError, ImportError) as e:
         install = 'pip install "bsr-jax[aot]" (jax\'s CUDA plugin and libtpu, at jax\'s version; no GPU, TPU or CUDA toolkit needed)'
         if "lockfile" in str(e):
