@@ -16,13 +16,17 @@ import jax
 import jax.numpy as jnp
 
 
-def check_microbatches(microbatches: Any, batch: Sequence[Any], argument: str = "microbatches") -> int:
+AUTO = "auto"  # plan(microbatches=AUTO): the count is searched
+
+
+def check_microbatches(microbatches: Any, batch: Sequence[Any], argument: str = "microbatches", auto: bool = False) -> int:
     """``microbatches`` as an int that divides every batch array's leading axis, else a ``ValueError``
-    naming ``argument`` and the allowed values."""
+    naming ``argument`` and the allowed values (``auto``: ``"auto"`` among them, for ``plan``)."""
     sizes = {a.shape[0] for a in jax.tree.leaves(batch) if getattr(a, "ndim", 0)}
     allowed = [k for k in range(1, min(sizes, default=1) + 1) if all(n % k == 0 for n in sizes)]
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches not in allowed:
-        raise ValueError(f"{argument} must be an int dividing the batch's leading axis {sorted(sizes)}: one of {allowed}, got {microbatches!r}")
+        raise ValueError(f"{argument} must be an int dividing the batch's leading axis {sorted(sizes)}: one of {allowed}"
+                         f"{f' or {AUTO!r}' if auto else ''}, got {microbatches!r}")
     return microbatches
 
 

@@ -39,6 +39,7 @@ path), and blocks stacked for ``nnx.scan`` are not supported.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import math
@@ -55,7 +56,7 @@ from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, check_tar
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
-from bsr_jax.planning.microbatch import check_microbatches
+from bsr_jax.planning.microbatch import AUTO, check_microbatches
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 from bsr_jax.planning.result import Measured, Plan
 from bsr_jax.rewrite.rules import layer_table
@@ -170,7 +171,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
          budget: float | str, target: str = "h100", options: Sequence[str] | None = None,
          rest_options: Sequence[str] | None = None, approximate: bool = False, verify: int = 3,
          variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
-         cache: dict | None = None, loss_chunk: int | None = None, microbatches: int = 1) -> Plan:  # fmt: skip
+         cache: dict | None = None, loss_chunk: int | None = None, microbatches: int | str = 1) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
 
     Args:
@@ -216,7 +217,10 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         the dense step at this count), takes its gradient as the mean over this many equal slices
         of the batch, one at a time (``bsr_jax.accumulated_value_and_grad``: exact up to float
         summation order); it must divide the batch. ``Plan.microbatches`` says it for the user's
-        step. Default 1: the batch at once.
+        step. Default 1: the batch at once. ``"auto"``: the faster of the plan at 1 and the dense
+        step at the fewest micro-batches (2, 4 or 8, dividing the batch) that fits the budget, a
+        fractional budget being of the whole batch's dense step (each count tried costs one or two
+        compiles; the plan's ``dense`` stays the whole batch's).
 
     Returns:
       a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
@@ -244,7 +248,13 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if loss_chunk is not None:
         check_chunk(loss_chunk, "loss_chunk")
     batch = abstract(example_batch)
-    microbatches = check_microbatches(microbatches, batch)
+    if microbatches == AUTO:
+        if family_type is not Linen:
+            raise ValueError("microbatches='auto' needs a flax.linen model (NNX: not yet)")
+        same = dict(optimizer=optimizer, target=target, options=options, rest_options=rest_options, verify=verify, variables=variables,
+                    init_args=init_args, progress=progress, cache={} if cache is None else cache, loss_chunk=loss_chunk)  # fmt: skip
+        return _fastest_count(lambda **kw: plan(model, loss_fn, *example_batch, **(same | kw)), budget, batch)
+    microbatches = check_microbatches(microbatches, batch, auto=True)
     if microbatches != 1 and family_type is not Linen:
         raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
     _check_loss(loss_fn, family_type, batch)
@@ -316,6 +326,35 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if not fitting:
         raise infeasible(search.smallest(allowed))
     return _plan(family, search, loss_fns, min(fitting)[1], limit, target, dense, remat)
+
+
+def _fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any) -> Plan:
+    """``plan(microbatches="auto")``: the plan at 1 against the dense step at 2, 4, 8 micro-batches."""
+    dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
+    kind, amount = parse_budget(budget)
+    limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
+    found, refusal = [], None
+    for k in [1, *(k for k in (2, 4, 8) if _divides(k, batch))]:
+        # At k > 1 only the dense step: a micro-batched plan of blocks would multiply the search.
+        narrowed = {} if k == 1 else dict(options=["keep"], rest_options=["keep"], verify=0, loss_chunk=None)
+        try:
+            found.append(dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense))
+        except ValueError as error:
+            if "no candidate fits" not in str(error):
+                raise
+            refusal = refusal or error
+        if found and found[-1].microbatches == k and (k > 1 or found[-1].remat is None):
+            break  # the dense step fits: more slices only add steps to the loop
+    if not found:
+        raise refusal
+    return min(found, key=lambda p: p.modelled_seconds)
+
+
+def _divides(k: int, batch: Any) -> bool:
+    try:
+        return check_microbatches(k, batch) == k
+    except ValueError:
+        return False
 
 
 def _plan(family: Family, search: _Search, loss_fns: Mapping[str, Callable[..., jax.Array]], key: tuple, limit: float, target: str,

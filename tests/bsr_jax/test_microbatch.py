@@ -79,3 +79,18 @@ def test_nnx_models_are_refused_before_anything_compiles():
 
     with pytest.raises(ValueError, match=r"microbatches > 1 needs a flax.linen model"):
         bsr_jax.plan(Tiny(nnx.Rngs(0)), lambda m, x: m(x).mean(), X, optimizer=optax.adamw(1e-3), budget=0.5, microbatches=2, progress=False)
+
+
+def test_auto_falls_back_to_the_fewest_micro_batches_whose_dense_step_fits():
+    """Blocks may only be kept: at 0.7 of the whole batch's dense peak nothing fits at one
+    micro-batch, and "auto" returns the dense step at two, as plan(microbatches=2) measures it."""
+    x, y = jax.ShapeDtypeStruct((4096, 16), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.int32)
+    common = dict(optimizer=optax.adamw(1e-3), target="h100", progress=False, options=["keep"], rest_options=["keep"], cache={})
+    with pytest.raises(ValueError, match="no candidate fits"):
+        bsr_jax.plan(Net(), _loss, x, y, budget=0.7, **common)
+    chosen = bsr_jax.plan(Net(), _loss, x, y, budget=0.7, microbatches="auto", **common)
+    halves = bsr_jax.plan(Net(), _loss, x, y, budget="1GiB", microbatches=2, **common)
+    assert chosen.microbatches == 2 and (chosen.peak, chosen.modelled_seconds) == (halves.peak, halves.modelled_seconds)
+    assert chosen.peak <= 0.7 * chosen.dense.peak and chosen.dense.peak > halves.peak  # dense: the whole batch's
+    with pytest.raises(ValueError, match=r"one of \[1, 2, 4, .*\] or 'auto', got 'all'"):
+        bsr_jax.plan(Net(), _loss, x, y, budget=0.7, microbatches="all", **common)
