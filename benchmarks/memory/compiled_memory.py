@@ -22,7 +22,8 @@ parameter-gradient residual in int4, the recommended setting); ``lean`` (compres
 GELU input; in ViT and the LM, ``compress_model(dx=...)``: every norm, activation and attention
 input; approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
-values of a row, lane-dense as blocks on TPU); the settings of ``presets.MEASURED``
+values of a row, lane-dense as blocks on TPU); ``int8-row`` and ``int4-row`` (every residual with
+one scale per token row, ``block="row"``: not ResNet); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
 average-pooled 2x2, the conv paper's method).
 
@@ -57,13 +58,15 @@ from train import models as train_models  # noqa: E402
 from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
-SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
+SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "int8-row", "int4-row", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
             "remat-offload", "remat-int4", "int4-dx8", "int4-dx4")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 # The same storage with one scale per 128 values of a row: lane-dense as blocks on TPU (docs/memory.md).
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
+# One scale per token row (block="row"): the codes XLA:GPU's dW GEMM reads as stored (docs/RESULTS.md 14.1).
+TOKEN_ROWS = {"int8-row": Pruning(0.0, block="row", storage_dtype="int8"), "int4-row": Pruning(0.0, block="row", storage_dtype="int4")}
 # int4 with approximate dx (bsr_jax.ops.dx): ResMLP's GELU input, a compress_model'd model's every
 # recognised norm, activation and attention input (compress_model(dx=...)) stored in int8 / int4.
 DX_SETTINGS = {"int4-dx8": "int8", "int4-dx4": "int4"}
@@ -83,12 +86,12 @@ REMAT_POLICIES = {
 
 def _resmlp(setting: str):
     pruning = ({"topk": TOPK, "topk-all": TOPK, "topk-wide": TOPK_WIDE, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4,
-                "int4-dx8": INT4, "int4-dx4": INT4}.get(setting) or PRESET_SETTINGS.get(setting))  # fmt: skip
+                "int4-dx8": INT4, "int4-dx4": INT4, **TOKEN_ROWS}.get(setting) or PRESET_SETTINGS.get(setting))  # fmt: skip
     if setting in ("lean", "pool2"):
         return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
     remat = setting.startswith("remat")
     policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
-    every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4", "int4-dx8", "int4-dx4") or setting in PRESET_SETTINGS
+    every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4", "int4-dx8", "int4-dx4", *TOKEN_ROWS) or setting in PRESET_SETTINGS
     affine, layerscale = train_models.scale_shift_defs(pruning if every_residual else None)
     model = train_models.ResMLP(
         num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
@@ -108,7 +111,8 @@ def _third_party(name: str, setting: str):
         c = tpm.Config(layers=12, width=768, mlp=3072, heads=12, batch=8, length=2048, vocab=32000)
         model, shape, stand_in = tpm.lm(c, dtype=jnp.bfloat16), (c.batch, c.length), "lm"
     rules = {"topk": [Rule("*", TOPK)], "topk-wide": [Rule("*", TOPK_WIDE)], "int4": [Rule("*", INT4)], "int4-rows": [Rule("*", INT4_ROWS)], "remat-int4": [Rule("*", INT4)],
-             "lean": [Rule("*", None)], "int4-dx8": [Rule("*", INT4)], "int4-dx4": [Rule("*", INT4)]}
+             "lean": [Rule("*", None)], "int4-dx8": [Rule("*", INT4)], "int4-dx4": [Rule("*", INT4)],
+             **{name: [Rule("*", pruning)] for name, pruning in TOKEN_ROWS.items()}}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting))
     context = contextlib.nullcontext()
@@ -124,7 +128,7 @@ def _resnet50(setting: str):
     # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
-    if setting in ("lean", "int4-rows", "topk-all", "topk-wide") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
+    if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS) or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
         return None  # ResMLP/transformer settings: convolutions quantize in Pooling's own blocks
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
