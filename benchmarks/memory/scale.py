@@ -1,0 +1,105 @@
+"""train.lm's step at the scale where memory runs out: the 1b and 8b presets on 8 devices of a
+deviceless target (8 H100s of one host, a TPU v5p 2x2x2 slice), per-device batch 1 or 2, compiled
+with ``train.lm_deviceless.sharded_step`` and measured by ``bsr_jax.compiled_memory``: per-device
+peak and the roofline's modelled time of the per-device program, collectives counted (XLA:TPU's own
+model times none of these 8-device programs).
+
+Settings: ``replicated`` (data parallel, the whole state on every device), ``fsdp`` (``--fsdp``:
+parameters, gradients and AdamW moments sharded), ``fsdp-remat`` (and ``nn.remat`` per layer),
+``fsdp-int4`` (and every residual int4), ``fsdp-int4-remat``. Every row: ``--scan`` (one traced
+layer), bf16 compute, f32 master weights, ``--attention flash`` (``jax.nn.dot_product_attention``;
+deviceless without cuDNN it lowers to XLA's attention, which holds the scores: said per row).
+Rows are appended to the JSON as they finish; rows already there are skipped (resumable).
+
+    python -m benchmarks.memory.scale --models 1b --targets h100 --batch 1
+    python -m benchmarks.memory.scale --table-only
+
+Writes docs/RESULTS.md section 15 (JSON: benchmarks/results/scale.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import bsr_jax  # noqa: E402
+from benchmarks.run_info import footer, run_metadata  # noqa: E402
+from train import lm_deviceless  # noqa: E402
+from train.lm_config import LMConfig  # noqa: E402
+
+GIB = 2**30
+DEVICES = 8
+SETTINGS = {
+    "replicated": {},
+    "fsdp": {"fsdp": True},
+    "fsdp-remat": {"fsdp": True, "remat": True},
+    "fsdp-int4": {"fsdp": True, "storage_dtype": "int4"},
+    "fsdp-int4-remat": {"fsdp": True, "storage_dtype": "int4", "remat": True},
+}
+TARGETS = ("h100", "tpu-v5p")
+
+
+def measure(model: str, target: str, setting: str, batch: int, seq_len: int) -> dict:
+    config = LMConfig(model=model, seq_len=seq_len, batch_size=batch * DEVICES, dtype="bfloat16", scan=True, attention="flash",
+                      vocab_size={"1b": 32768, "8b": 128256}[model], **SETTINGS[setting])  # fmt: skip
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, state, tokens = lm_deviceless.sharded_step(config, target, DEVICES)
+        r = bsr_jax.compiled_memory(step, state, tokens, target=target, devices=DEVICES)
+    fallback = any("attention" in str(w.message) for w in caught)
+    return dict(model=model, target=target, setting=setting, batch_per_device=batch, seq_len=seq_len, peak_gib=r.peak / GIB,
+                roofline_ms=r.roofline_seconds * 1e3, xla_tpu_ms=r.optimal_seconds and r.optimal_seconds * 1e3,
+                attention="XLA (holds the scores)" if fallback or target != "h100" else "cuDNN flash",
+                compile_s=time.perf_counter() - started)  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | target | batch/device | setting | peak GiB/device | modelled ms (roofline) | vs fastest that fits 80 GiB | attention |",
+             "|---|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        fits = [o["roofline_ms"] for o in rows if (o["model"], o["target"], o["batch_per_device"]) == (r["model"], r["target"], r["batch_per_device"])
+                and o["peak_gib"] <= 80]  # fmt: skip
+        ratio = f"{r['roofline_ms'] / min(fits):.2f}x" if fits else "nothing fits"
+        lines.append(f"| {r['model']} | {r['target']} | {r['batch_per_device']} | {r['setting']} | {r['peak_gib']:.1f} | {r['roofline_ms']:.0f} | "
+                     f"{ratio} | {r['attention']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=("1b", "8b"), default=["1b", "8b"])
+    parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--batch", type=int, choices=(1, 2), default=1, help="sequences per device")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--out", default="benchmarks/results/scale.json")
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args(argv)
+    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    if not args.table_only:
+        done = {(r["model"], r["target"], r["setting"], r["batch_per_device"], r["seq_len"]) for r in rows}
+        for model in args.models:
+            for target in args.targets:
+                for setting in args.settings:
+                    if (model, target, setting, args.batch, args.seq_len) in done:
+                        continue
+                    print(f"[scale] {model} {target} {setting} batch {args.batch}/device T {args.seq_len} ...", file=sys.stderr, flush=True)
+                    rows.append(measure(model, target, setting, args.batch, args.seq_len) | {"run": run_metadata()})
+                    print(f"[scale]   {rows[-1]['peak_gib']:.1f} GiB, {rows[-1]['roofline_ms']:.0f} ms, compiled in {rows[-1]['compile_s']:.0f} s",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    with open(args.out, "w") as f:
+                        json.dump(rows, f, indent=1)
+    print(table(rows))
+    print(footer(run_metadata()))
+
+
+if __name__ == "__main__":
+    main()
