@@ -23,7 +23,8 @@ GELU input; in ViT and the LM, ``compress_model(dx=...)``: every norm, activatio
 input; approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
 values of a row, lane-dense as blocks on TPU); ``int8-row`` and ``int4-row`` (every residual with
-one scale per token row, ``block="row"``: not ResNet); the settings of ``presets.MEASURED``
+one scale per token row, ``block="row"``: not ResNet); ``int4-nolean`` and ``int4-row-nolean`` (ViT and
+the LM: the same storage with compress_model's ``lean=False``, attention keeping its probabilities); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
 average-pooled 2x2, the conv paper's method).
 
@@ -58,7 +59,7 @@ from train import models as train_models  # noqa: E402
 from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
-SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "int8-row", "int4-row", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
+SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "int8-row", "int4-row", "int4-nolean", "int4-row-nolean", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
             "remat-offload", "remat-int4", "int4-dx8", "int4-dx4")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
@@ -87,7 +88,7 @@ REMAT_POLICIES = {
 def _resmlp(setting: str):
     pruning = ({"topk": TOPK, "topk-all": TOPK, "topk-wide": TOPK_WIDE, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4,
                 "int4-dx8": INT4, "int4-dx4": INT4, **TOKEN_ROWS}.get(setting) or PRESET_SETTINGS.get(setting))  # fmt: skip
-    if setting in ("lean", "pool2"):
+    if setting in ("lean", "pool2") or setting.endswith("-nolean"):
         return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
     remat = setting.startswith("remat")
     policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
@@ -113,8 +114,11 @@ def _third_party(name: str, setting: str):
     rules = {"topk": [Rule("*", TOPK)], "topk-wide": [Rule("*", TOPK_WIDE)], "int4": [Rule("*", INT4)], "int4-rows": [Rule("*", INT4_ROWS)], "remat-int4": [Rule("*", INT4)],
              "lean": [Rule("*", None)], "int4-dx8": [Rule("*", INT4)], "int4-dx4": [Rule("*", INT4)],
              **{name: [Rule("*", pruning)] for name, pruning in TOKEN_ROWS.items()}}
+    # "-nolean": the same storage with compress_model's lean neighbours off (attention keeps its probabilities).
+    nolean = setting.endswith("-nolean")
+    rules |= {f"{name}-nolean": rules[name] for name in ("int4", "int4-row")}
     if setting in rules:
-        model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting))
+        model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting), lean=not nolean)
     context = contextlib.nullcontext()
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
@@ -128,7 +132,7 @@ def _resnet50(setting: str):
     # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
-    if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS) or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
+    if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS) or setting.endswith("-nolean") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
         return None  # ResMLP/transformer settings: convolutions quantize in Pooling's own blocks
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
