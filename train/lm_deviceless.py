@@ -29,16 +29,10 @@ def sharded_step(config: LMConfig, target: str, devices: int) -> tuple[Any, Any,
     shape = lm_loop.model_shape(config, config.vocab_size)
     schedule = lm_loop.learning_rate_schedule(config)
     tx = lm_loop.create_optimizer(config, schedule)
-
-    def init():
-        params = lm_loop.create_model(config, shape, compressed=False).init(jax.random.key(0), jnp.zeros((1, shape.seq_len), jnp.int32))
-        return {"step": jnp.zeros((), jnp.int32), "params": params["params"], "opt_state": tx.init(params["params"])}
-
-    abstract = jax.eval_shape(init)
+    abstract = jax.eval_shape(lm_loop.initial_state(config, shape, tx))
     state_sharding = sharding.state_shardings(abstract, mesh, config.fsdp)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
     batch = {"tokens": jax.ShapeDtypeStruct((config.batch_size, shape.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))}
     loss_fn = lm_loop.loss_function(lm_loop.create_model(config, shape), config)
-    rng_seed = config.seed if config.stochastic or config.rounding == "stochastic" else None
-    step = lm_loop.make_train_step(loss_fn, tx, schedule, mesh, rng_seed, state_sharding, config.fsdp)
+    step = lm_loop.make_train_step(loss_fn, tx, schedule, mesh, lm_loop.pruning_seed(config), state_sharding, config.fsdp)
     return step, state, batch

@@ -95,6 +95,21 @@ def create_optimizer(config: LMConfig, schedule: optax.Schedule) -> optax.Gradie
     return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw) if config.clip_norm else adamw
 
 
+def initial_state(config: LMConfig, shape: LMShape, tx: optax.GradientTransformation):
+    """``() -> state``: step 0, the dense model's parameters from ``config.seed`` and ``tx``'s state."""
+
+    def init():
+        params = create_model(config, shape, compressed=False).init(jax.random.key(config.seed), jnp.zeros((1, shape.seq_len), jnp.int32))
+        return {"step": jnp.zeros((), jnp.int32), "params": params["params"], "opt_state": tx.init(params["params"])}
+
+    return init
+
+
+def pruning_seed(config: LMConfig) -> int | None:
+    """The seed of the steps' pruning keys: only where pruning or rounding is stochastic."""
+    return config.seed if config.stochastic or config.rounding == "stochastic" else None
+
+
 def loss_function(model, config: LMConfig):
     """``(params, batch, rng=None) -> (mean next-token cross-entropy, {})`` of ``batch["tokens"]``
     int32 ``(B, T + 1)``; with ``loss_chunk`` the head and loss run chunk by chunk
@@ -232,10 +247,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         paths = sorted({"/".join(k.key for k in path[:-1]) for path, _ in jax.tree_util.tree_flatten_with_path(plain)[0] if path[-1].key == "kernel"})
         raise UsageError(f"--layer-sparsity: {error}; the model's linear layers are {', '.join(paths)}") from None
 
-    def init():
-        params = create_model(config, shape, compressed=False).init(jax.random.key(config.seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-
+    init = initial_state(config, shape, tx)
     state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh, config.fsdp)
     state = jax.jit(init, out_shardings=state_sharding)()
     checkpoints = Checkpoints(run_dir.checkpoint_dir(workdir), config.keep_checkpoints)
@@ -245,7 +257,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     sharding.sync_processes("read the workdir")
     log = metrics.MetricsLog(workdir, keep_until_step=start_step if config.resume else None)
     batch_struct = {"tokens": jax.ShapeDtypeStruct((config.batch_size, seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))}
-    rng_seed = config.seed if config.stochastic or config.rounding == "stochastic" else None
+    rng_seed = pruning_seed(config)
 
     def compile_step(level: float):
         level_model = model if planned else create_model(config, shape, level)

@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bsr_jax import Pruning  # noqa: E402
 from bsr_jax.measure import compiled, roofline  # noqa: E402
-from benchmarks.memory.compiled_memory import step_args  # noqa: E402
+from benchmarks.memory.compiled_memory import TOKEN_ROWS, step_args  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from train import models as train_models  # noqa: E402
 
@@ -38,8 +38,7 @@ FORMATS = {
     "int8-rows": Pruning(0.0, block=(1, 128), storage_dtype="int8"),
     "int4": Pruning(0.0, block=16, storage_dtype="int4"),
     "int4-rows": Pruning(0.0, block=(1, 128), storage_dtype="int4"),
-    "int8-row": Pruning(0.0, block="row", storage_dtype="int8"),
-    "int4-row": Pruning(0.0, block="row", storage_dtype="int4"),
+    **TOKEN_ROWS,
 }
 TRITON = {"auto": None, "on": True, "off": False}
 

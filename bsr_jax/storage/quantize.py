@@ -70,6 +70,13 @@ def _block_scales(v: jax.Array, limit: float) -> jax.Array:
     return jnp.where(amax > 0, amax * (1.0 / limit), jnp.where(amax == 0, 1.0, amax))
 
 
+def _integer_codes(scaled: jax.Array, limit: float, key: jax.Array | None) -> jax.Array:
+    """``scaled`` values rounded to integers in ``[-limit, limit]`` (float32): to nearest, or with
+    ``key`` stochastically (``floor(v + u)``, ``u ~ U[0, 1)``: unbiased)."""
+    rounded = jnp.round(scaled) if key is None else jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
+    return jnp.clip(rounded, -limit, limit)
+
+
 def whole_rows(block: tuple[int, int], width: int) -> bool:
     """Whether ``block`` cuts a matrix ``width`` columns wide into whole rows (``block="row"``)."""
     return block[0] == 1 and block[1] >= width
@@ -89,8 +96,7 @@ def quantize_token_rows(
     scaled = v * (1.0 / scales)[:, None]
     if storage_dtype == "float8_e4m3fn":
         return scaled.astype(jnp.float8_e4m3fn)[:, None, :], scales
-    rounded = jnp.round(scaled) if key is None else jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
-    codes = jnp.clip(rounded, -limit, limit).astype(jnp.int8 if storage_dtype == "int8" else jnp.int4)
+    codes = _integer_codes(scaled, limit, key).astype(jnp.int8 if storage_dtype == "int8" else jnp.int4)
     return codes[:, None, :], scales
 
 
@@ -136,11 +142,7 @@ def quantize_blocks(
     scaled = v * (1.0 / scales)[:, None, None]
     if storage_dtype == "float8_e4m3fn":
         return scaled.astype(jnp.float8_e4m3fn), scales
-    if key is None:
-        rounded = jnp.round(scaled)
-    else:
-        rounded = jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
-    q = jnp.clip(rounded, -limit, limit)
+    q = _integer_codes(scaled, limit, key)
     if storage_dtype == "int8":
         return q.astype(jnp.int8), scales
     return _pack_int4(q.astype(jnp.int32)), scales
@@ -241,8 +243,7 @@ def quantize_rows(
     scaled = v * _across_columns(1.0 / scales, bk, v)
     if storage_dtype == "float8_e4m3fn":
         return scaled.astype(jnp.float8_e4m3fn).reshape(n, bm, bk), scales.reshape(-1)
-    rounded = jnp.round(scaled) if key is None else jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
-    q = jnp.clip(rounded, -limit, limit).astype(jnp.int32)
+    q = _integer_codes(scaled, limit, key).astype(jnp.int32)
     if storage_dtype == "int8":
         return q.astype(jnp.int8).reshape(n, bm, bk), scales.reshape(-1)
     low, high = jnp.split(q & 0xF, 2, axis=_int4_pair_axis(block))
@@ -301,7 +302,7 @@ def dequantize_matrix(
     """The padded ``(Mb * bm, Kb * bk)`` matrix in ``dtype`` from what ``quantize_matrix`` stored,
     read in the layout of the platform lowered for (``storage_dtype=None``: blocks kept as they are)."""
 
-    if storage_dtype is not None and grid[1] == 1 and block[0] == 1:
+    if storage_dtype is not None and whole_rows(block, grid[1] * block[1]):
         return dequantize_token_rows(stored, scales, (grid[0], block[1]), dtype)
 
     def in_blocks(stored, scales):
