@@ -13,7 +13,7 @@ that is a multiple of 8, at most 128 before Hopper and 256 from it (jax raises o
 Tracing it needs cuDNN's library (``nvidia-cudnn-cu12``: jax's CUDA wheels bring it, the ``aot`` extra
 does not): a host without it, such as a CPU host compiling for ``--target h100``, gets XLA's in the
 GPU branch, with a warning. With it, the cuDNN kernel compiles deviceless for an H100 (jax 0.10.2,
-cuDNN 9.28); XLA's cost model counts no FLOPs in it.
+cuDNN 9.28); XLA's cost model counts no FLOPs in it, ``bsr_jax.measure.roofline`` counts its products.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ the entry computation, and of while-loop bodies times their trip count) costs
 where the bytes are its operands' and outputs' (a fusion that only slices an operand reads the
 slice; an in-place dynamic-update-slice writes only the update) and the FLOPs are those of the
 dots and convolutions inside it (custom calls: cuBLAS GEMMs from their dimension numbers, cuDNN
-convolutions from their window), counted as 2 x output elements x contracted elements.
+convolutions from their window, cuDNN flash attention from its scores' shape), counted as
+2 x output elements x contracted elements.
 Elementwise arithmetic and transcendentals are taken as memory-bound. Host transfers
 (``copy-start`` to or from host memory) run on their own link, overlapped with the kernels: the
 step is the larger of the two sums. A collective is a kernel also bounded by what each of the n
@@ -27,21 +28,23 @@ lower bound in spirit and a ranking tool in practice: compare settings on the sa
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
-from collections.abc import Iterator
 
 import pallas_kernels
 from bsr_jax.measure.hardware import H100, HARDWARE, TPU_V5P, Hardware  # noqa: F401  (roofline.H100 is read by callers)
+from bsr_jax.measure.hlo_text import (
+    DTYPE_BYTES,
+    HOST_SPACE,
+    Instr,
+    arrays,
+    attr,
+    backend_config,
+    dims,
+    parse_hlo,
+    type_bytes,
+)
 
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "token": 0,
-}
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
-# Layout memory spaces: S(5) is host memory on GPU and TPU; S(1) is the TPU core's VMEM (on-chip).
-_HOST_SPACE, _ONCHIP_SPACE = "S(5)", "S(1)"
 # Instructions that launch nothing and move no bytes.
 _FREE = {
     "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id", "replica-id",
@@ -55,8 +58,6 @@ _COLLECTIVES = {
 }
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,79 +87,6 @@ class Roofline:
         return self.kernels[:n]
 
 
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    type: str
-    opcode: str
-    operands: list[str]
-    args: str  # the text between the opcode's parentheses: a parameter's index, a constant's value
-    attrs: str
-    root: bool
-
-
-def _matching(text: str, start: int) -> int:
-    """Index just past the bracket closing the one at ``start``."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "([{":
-            depth += 1
-        elif text[i] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 80]!r}")
-
-
-_LINE = re.compile(r"^\s*(ROOT )?%(\S+) = ")
-
-
-def _parse_instr(line: str) -> _Instr | None:
-    m = _LINE.match(line)
-    if not m:
-        return None
-    i = m.end()
-    end = _matching(line, i) if line[i] == "(" else line.index(" ", i)
-    type_ = line[i:end]
-    rest = line[end + 1 :]
-    paren = rest.index("(")
-    opcode = rest[:paren]
-    close = _matching(rest, paren)
-    operands = re.findall(r"%([\w.\-]+)", rest[paren:close])
-    return _Instr(m.group(2), type_, opcode, operands, rest[paren + 1 : close - 1], rest[close:], bool(m.group(1)))
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], str]:
-    """Computations of an HLO module's text, by name, and the entry computation's name."""
-    computations: dict[str, list[_Instr]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        header = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
-        if header and not line.startswith(" "):
-            current = computations.setdefault(header.group(2), [])
-            entry = header.group(2) if header.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and (instr := _parse_instr(line)) is not None:
-            current.append(instr)
-    if not entry:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return computations, entry
-
-
-def _arrays(type_: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    for dtype, dims, layout in _ARRAY.findall(type_):
-        if dtype in _DTYPE_BYTES:
-            yield dtype, tuple(int(d) for d in dims.split(",") if d), layout or ""
-
-
-def type_bytes(type_: str, skip_onchip: bool = True) -> float:
-    """Bytes of every array in an HLO type (tuples summed), off-chip ones only by default."""
-    return sum(
-        _DTYPE_BYTES[dt] * math.prod(dims) for dt, dims, layout in _arrays(type_) if not (skip_onchip and _ONCHIP_SPACE in layout)
-    )
-
-
 def _group_size(attrs: str) -> int:
     """Devices per replica group of a collective: ``replica_groups={{0,1,2,3}}`` or the iota form
     ``replica_groups=[2,4]<=[8]`` (2 groups of 4); a collective-permute's pairs count as 2."""
@@ -171,44 +99,31 @@ def _group_size(attrs: str) -> int:
     return int(iota.group(2)) if iota else 1
 
 
-def _dims(type_: str) -> tuple[int, ...]:
-    return next(_arrays(type_))[1]
-
-
-def _attr(attrs: str, key: str) -> str | None:
-    """The value of ``key=...`` in an instruction's attributes (a ``{...}`` value whole)."""
-    m = re.search(rf"\b{key}=", attrs)
-    if not m:
-        return None
-    if attrs[m.end()] == "{":
-        return attrs[m.end() : _matching(attrs, m.end())]
-    return re.match(r"[^\s,]+", attrs[m.end() :]).group()
-
-
-def _backend_config(attrs: str) -> dict:
-    value = _attr(attrs, "backend_config")
-    try:
-        return json.loads(value) if value and value.startswith("{") else {}
-    except ValueError:  # not JSON (some targets print a proto text)
-        return {}
-
-
 def _dot_flops(lhs_dims: tuple[int, ...], out_elems: int, contracting: list[int]) -> float:
     return 2.0 * out_elems * math.prod(lhs_dims[d] for d in contracting)
 
 
-def _conv_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+def _attention_flops(config: dict, q_dims: tuple[int, ...], backward: bool) -> float:
+    """cuDNN flash attention's matmul FLOPs (XLA's cost model counts none): the forward's two
+    products (q k^T, p v) over its ``(B, heads, Tq, Tk)`` scores, the backward's five (the scores
+    recomputed, dv, dp, dq, dk), each 2 x B x heads x Tq x Tk x head_dim; a causal mask skips half."""
+    scores = math.prod(int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", []))
+    products = 5 if backward else 2
+    return products * 2.0 * scores * q_dims[-1] * (0.5 if config.get("mask_type") == "CAUSAL" else 1.0)
+
+
+def _conv_flops(instr: Instr, shapes: dict[str, str]) -> float:
     """2 x output elements x the kernel elements each output reads (rhs size over its output
     features), thinned by the lhs dilation (XLA:TPU writes batched dots as dilated convolutions:
     most of a dilated window's taps read the holes)."""
-    labels = _attr(instr.attrs, "dim_labels") or ""
+    labels = attr(instr.attrs, "dim_labels") or ""
     rhs_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
-    rhs_dims = _dims(shapes[instr.operands[1]])
+    rhs_dims = dims(shapes[instr.operands[1]])
     out_features = rhs_dims[rhs_labels.index("o")] if "o" in rhs_labels else 1
-    window = _attr(instr.attrs, "window") or ""
+    window = attr(instr.attrs, "window") or ""
     dilation = re.search(r"lhs_dilate=([\dx]+)", window)
     thinning = math.prod(int(d) for d in dilation.group(1).split("x")) if dilation else 1
-    return 2.0 * math.prod(_dims(instr.type)) * math.prod(rhs_dims) / out_features / thinning
+    return 2.0 * math.prod(dims(instr.type)) * math.prod(rhs_dims) / out_features / thinning
 
 
 class _Model:
@@ -221,16 +136,16 @@ class _Model:
     def shapes(self, computation: str) -> dict[str, str]:
         return {i.name: i.type for i in self.computations[computation]}
 
-    def product_flops(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float]:
+    def product_flops(self, instr: Instr, shapes: dict[str, str]) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of one dot or convolution instruction; zeros for anything else."""
         if instr.opcode == "dot":
-            contracting = [int(d) for d in re.findall(r"\d+", _attr(instr.attrs, "lhs_contracting_dims") or "")]
-            f = _dot_flops(_dims(shapes[instr.operands[0]]), math.prod(_dims(instr.type)), contracting)
+            contracting = [int(d) for d in re.findall(r"\d+", attr(instr.attrs, "lhs_contracting_dims") or "")]
+            f = _dot_flops(dims(shapes[instr.operands[0]]), math.prod(dims(instr.type)), contracting)
         elif instr.opcode == "convolution":
             f = _conv_flops(instr, shapes)
         else:
             return 0.0, 0.0
-        dtype = next(_arrays(shapes[instr.operands[0]]))[0]
+        dtype = next(arrays(shapes[instr.operands[0]]))[0]
         return f, f / self.hw.matmul_flops.get(dtype, self.hw.default_flops)
 
     def matmul(self, computation: str) -> tuple[float, float]:
@@ -242,24 +157,27 @@ class _Model:
             flops, seconds = flops + f, seconds + s
         return flops, seconds
 
-    def custom_call_flops(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float]:
-        target = _attr(instr.attrs, "custom_call_target") or ""
-        config = _backend_config(instr.attrs)
+    def custom_call_flops(self, instr: Instr, shapes: dict[str, str]) -> tuple[float, float]:
+        target = attr(instr.attrs, "custom_call_target") or ""
+        config = backend_config(instr.attrs)
         out_type = instr.type.removeprefix("(")
         if "gemm_backend_config" in config or "cublas" in target:
             numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
             contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
-            lhs = next(_arrays(shapes[instr.operands[0]]))
-            f = _dot_flops(lhs[1], math.prod(next(_arrays(out_type))[1]), contracting)
+            lhs = next(arrays(shapes[instr.operands[0]]))
+            f = _dot_flops(lhs[1], math.prod(next(arrays(out_type))[1]), contracting)
             return f, f / self.hw.matmul_flops.get(lhs[0], self.hw.default_flops)
         if "cudnn$conv" in target:
-            conv = _Instr(instr.name, out_type, "convolution", instr.operands, "", instr.attrs, False)
+            conv = Instr(instr.name, out_type, "convolution", instr.operands, "", instr.attrs, False)
             f = _conv_flops(conv, shapes)
-            return f, f / self.hw.matmul_flops.get(next(_arrays(shapes[instr.operands[0]]))[0], self.hw.default_flops)
+            return f, f / self.hw.matmul_flops.get(next(arrays(shapes[instr.operands[0]]))[0], self.hw.default_flops)
+        if "cudnn$fmha" in target:
+            f = _attention_flops(config.get("cudnn_fmha_backend_config", {}), dims(shapes[instr.operands[0]]), "Backward" in target)
+            return f, f / self.hw.matmul_flops.get(next(arrays(shapes[instr.operands[0]]))[0], self.hw.default_flops)
         kernel = re.search(r'name = "(\w+)"', instr.attrs)
         if "triton" in target and kernel and kernel.group(1) in pallas_kernels.KERNEL_FLOPS:
             # Operands (ptr, ids, values, dense): the Triton call carries no cost estimate of its own.
-            values, dense = (_dims(shapes[o]) for o in instr.operands[2:4])
+            values, dense = (dims(shapes[o]) for o in instr.operands[2:4])
             f = float(pallas_kernels.KERNEL_FLOPS[kernel.group(1)](values, dense))
             return f, f / self.hw.default_flops
         # Other custom calls (Mosaic kernels on TPU carry their pl.CostEstimate to XLA): as declared.
@@ -267,7 +185,7 @@ class _Model:
         f = float(estimate.get("flops", 0.0)) if isinstance(estimate, dict) else 0.0
         return f, f / self.hw.default_flops
 
-    def io_bytes(self, instr: _Instr, shapes: dict[str, str]) -> float:
+    def io_bytes(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Bytes a kernel moves: its operands and outputs, less what a fusion never touches."""
         operand_bytes = [type_bytes(shapes[o]) for o in instr.operands]
         out_bytes = type_bytes(instr.type)
@@ -283,19 +201,24 @@ class _Model:
         callee = re.search(r"calls=%([\w.\-]+)", instr.attrs)
         if instr.opcode == "fusion" and callee:
             body = self.computations[callee.group(1)]
-            users: dict[str, list[_Instr]] = {}
+            users: dict[str, list[Instr]] = {}
             for i in body:
                 for o in i.operands:
                     users.setdefault(o, []).append(i)
             body_shapes = {i.name: i.type for i in body}
             params = {int(i.args): i for i in body if i.opcode == "parameter"}
+
+            def readers(name: str) -> list[tuple[Instr, str]]:  # (instruction, the view it reads): bitcasts are views
+                return [r for u in users.get(name, []) for r in (readers(u.name) if u.opcode == "bitcast" else [(u, name)])]
+
             for k, param in params.items():
-                uses = users.get(param.name, [])
-                if uses and all(u.opcode in _SLICING and u.operands[0] == param.name for u in uses):
-                    operand_bytes[k] = sum(type_bytes(u.type) for u in uses)
-                elif uses and all(u.opcode in _IN_PLACE and u.operands[0] == param.name for u in uses):
-                    # In place: the buffer is neither read nor rewritten, only the update is written.
-                    update = sum(type_bytes(body_shapes[u.operands[-1 if u.opcode == "scatter" else 1]]) for u in uses)
+                uses = readers(param.name)
+                if uses and all(u.opcode in _SLICING and u.operands[0] == view for u, view in uses):
+                    operand_bytes[k] = sum(type_bytes(u.type) for u, _ in uses)
+                elif uses and all(u.opcode in _IN_PLACE and u.operands[0] == view for u, view in uses):
+                    # In place (a scanned layer's slice written into its stack, through a bitcast or not):
+                    # the buffer is neither read nor rewritten, only the update is written.
+                    update = sum(type_bytes(body_shapes[u.operands[-1 if u.opcode == "scatter" else 1]]) for u, _ in uses)
                     operand_bytes[k] = 0.0
                     out_bytes -= type_bytes(param.type) - update
         return sum(operand_bytes) + max(out_bytes, 0.0)
@@ -308,19 +231,19 @@ class _Model:
                 continue
             if op == "while":
                 trips = self.trip_count(instr)
-                self.walk(_attr(instr.attrs, "body").lstrip("%"), times * trips)
-                self.walk(_attr(instr.attrs, "condition").lstrip("%"), times * trips)
+                self.walk(attr(instr.attrs, "body").lstrip("%"), times * trips)
+                self.walk(attr(instr.attrs, "condition").lstrip("%"), times * trips)
                 continue
             if op == "call":
-                self.walk(_attr(instr.attrs, "to_apply").lstrip("%"), times)
+                self.walk(attr(instr.attrs, "to_apply").lstrip("%"), times)
                 continue
             if op == "conditional":
-                branches = re.findall(r"%([\w.\-]+)", _attr(instr.attrs, "branch_computations") or "")
+                branches = re.findall(r"%([\w.\-]+)", attr(instr.attrs, "branch_computations") or "")
                 if branches:  # the costliest branch
                     costs = [(self.cost_of(b), b) for b in branches]
                     self.walk(max(costs)[1], times)
                 continue
-            if op in ("copy-start", "copy") and any(_HOST_SPACE in t for t in [instr.type] + [shapes[o] for o in instr.operands]):
+            if op in ("copy-start", "copy") and any(HOST_SPACE in t for t in [instr.type] + [shapes[o] for o in instr.operands]):
                 self.host_seconds += times * type_bytes(shapes[instr.operands[0]], skip_onchip=False) / self.hw.host_bytes_per_s
                 continue
             nbytes = self.io_bytes(instr, shapes)
@@ -338,7 +261,7 @@ class _Model:
             k[4] += times * flops
             k[5] += times
 
-    def link_seconds(self, instr: _Instr, shapes: dict[str, str]) -> float:
+    def link_seconds(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Seconds a collective's bytes take over the interconnect (0 for anything else)."""
         kind = instr.opcode.removesuffix("-start")
         if kind not in _COLLECTIVES or not self.hw.link_bytes_per_s:
@@ -347,10 +270,10 @@ class _Model:
         if n <= 1:
             return 0.0
         # The whole array: all-gather's output, the others' input (a -start's type is a tuple of both).
-        arrays = [type_bytes(shapes[o]) for o in instr.operands] + [math.prod(dims) * _DTYPE_BYTES[dtype] for dtype, dims, _ in _arrays(instr.type)]
-        return max(arrays) * _COLLECTIVES[kind](n) / self.hw.link_bytes_per_s
+        sizes = [type_bytes(shapes[o]) for o in instr.operands] + [math.prod(d) * DTYPE_BYTES[dtype] for dtype, d, _ in arrays(instr.type)]
+        return max(sizes) * _COLLECTIVES[kind](n) / self.hw.link_bytes_per_s
 
-    def own_matmul(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float]:
+    def own_matmul(self, instr: Instr, shapes: dict[str, str]) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of one kernel: a bare dot/convolution or what its callees compute."""
         flops, seconds = self.product_flops(instr, shapes)
         for callee in re.findall(r"calls=%([\w.\-]+)", instr.attrs):
@@ -365,12 +288,12 @@ class _Model:
         self.kernels = saved
         return total
 
-    def trip_count(self, instr: _Instr) -> int:
-        known = _backend_config(instr.attrs).get("known_trip_count", {}).get("n")
+    def trip_count(self, instr: Instr) -> int:
+        known = backend_config(instr.attrs).get("known_trip_count", {}).get("n")
         if known is not None:
             return int(known)
         # XLA:TPU does not annotate the count: read `i < N` off the condition (from 0, step 1).
-        cond = _attr(instr.attrs, "condition").lstrip("%")
+        cond = attr(instr.attrs, "condition").lstrip("%")
         body = self.computations[cond]
         constants = {i.name: int(i.args) for i in body if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.args)}
         for i in body:

@@ -217,10 +217,21 @@ ENTRY %main (b: f32[100,250], u: f32[1,250], j: s32[], s: f32[100,250]) -> (f32[
 """
 
 
-def test_scanned_layers_move_their_slices_not_their_stacks():
+# The same write as XLA:GPU often fuses it: the stack and the update seen through bitcasts (a
+# layout change that moves nothing), as a scanned layer's gradient is written into its stack.
+IN_PLACE_VIEWS = IN_PLACE.replace(
+    "  ROOT %dus = f32[100,250]{1,0} dynamic-update-slice(%buf, %upd, %i, %zero)",
+    "  %view = f32[250,100]{0,1} bitcast(%buf)\n  %upd.1 = f32[250,1]{0,1} bitcast(%upd)\n"
+    "  %dus.1 = f32[250,100]{0,1} dynamic-update-slice(%view, %upd.1, %zero, %i)\n  ROOT %dus = f32[100,250]{1,0} bitcast(%dus.1)",
+)
+
+
+@pytest.mark.parametrize("hlo", [IN_PLACE, IN_PLACE_VIEWS], ids=["direct", "through-bitcasts"])
+def test_scanned_layers_move_their_slices_not_their_stacks(hlo):
     """A scan writes one layer's slice of a stacked buffer in place and reads one slice of another:
     each kernel moves the slice (1000 bytes) and its indices, not the (100, 250) stack."""
-    kernels = {k.name: k for k in rl.roofline(IN_PLACE, TOY).kernels}
+    assert hlo.count("bitcast") in (0, 3)
+    kernels = {k.name: k for k in rl.roofline(hlo, TOY).kernels}
     assert kernels["f"].bytes == 1000 + 4 + 1000  # the update read, the index, the update written
     assert kernels["ds"].bytes == 1000 + 2 * 4 + 1000  # the slice read, two indices, the slice written
 
@@ -233,3 +244,30 @@ def test_tpu_batched_dots_written_as_dilated_convolutions_count_xlas_flops():
     compiled = bsr_jax.measure.compiled.compile_for(lambda p, v: jnp.einsum("bhqk,bkhd->bqhd", p, v), p, v, target="tpu-v5p")
     assert "lhs_dilate" in compiled.as_text()
     assert rl.roofline(compiled.as_text(), "tpu-v5p").flops == step.flops == 2 * 4 * 2 * 40 * 40 * 16
+
+
+def _flash(target: str, mask: str) -> str:
+    # cuDNN's flash attention as XLA:GPU prints it (jax.nn.dot_product_attention, implementation="cudnn",
+    # compiled deviceless for an H100 with cuDNN 9.28; its backend config cut to what the count reads).
+    config = ('{"cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", '
+              f'"dimensions": ["1", "8", "1024", "1024"]}}, "is_flash_attention": true, "mask_type": "{mask}"}}}}')  # fmt: skip
+    return f"""HloModule m
+
+ENTRY %main (q: bf16[1,1024,8,64], k: bf16[1,1024,2,64], v: bf16[1,1024,2,64]) -> (bf16[1,8,1024,64], f32[1,8,1024], u8[0]) {{
+  %q = bf16[1,1024,8,64]{{3,2,1,0}} parameter(0)
+  %k = bf16[1,1024,2,64]{{3,2,1,0}} parameter(1)
+  %v = bf16[1,1024,2,64]{{3,2,1,0}} parameter(2)
+  ROOT %attention = (bf16[1,8,1024,64]{{3,1,2,0}}, f32[1,8,1024]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), custom_call_target="{target}", backend_config={config}
+}}
+"""
+
+
+@pytest.mark.parametrize("target, products", [("__cudnn$fmhaSoftmax", 2), ("__cudnn$fmhaSoftmaxBackward", 5)])
+def test_cudnn_flash_attention_counts_its_products_over_the_scores(target, products):
+    """XLA counts no FLOPs in cuDNN's attention: the roofline counts 2 x scores x head_dim per product
+    (the forward's q k^T and p v; the backward's five), half of them under a causal mask."""
+    full = rl.roofline(_flash(target, "NO_MASK"), TOY)
+    assert full.flops == products * 2 * (8 * 1024 * 1024) * 64
+    causal = rl.roofline(_flash(target, "CAUSAL"), TOY)
+    assert causal.flops == full.flops / 2
+    assert causal.seconds == pytest.approx(max(causal.bytes / 1e9, causal.flops / 2e9) + 1.0)  # bf16's peak

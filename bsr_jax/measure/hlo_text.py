@@ -1,0 +1,115 @@
+"""XLA's HLO module text, read: computations of instructions, array types and their bytes, attributes.
+
+What ``bsr_jax.measure.roofline`` models a step's time from; nothing here knows about costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterator
+
+DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "token": 0,
+}
+ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
+# Layout memory spaces: S(5) is host memory on GPU and TPU; S(1) is the TPU core's VMEM (on-chip).
+HOST_SPACE, ONCHIP_SPACE = "S(5)", "S(1)"
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    type: str
+    opcode: str
+    operands: list[str]
+    args: str  # the text between the opcode's parentheses: a parameter's index, a constant's value
+    attrs: str
+    root: bool
+
+
+def matching(text: str, start: int) -> int:
+    """Index just past the bracket closing the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in HLO: {text[start:start + 80]!r}")
+
+
+LINE = re.compile(r"^\s*(ROOT )?%(\S+) = ")
+
+
+def parse_instr(line: str) -> Instr | None:
+    m = LINE.match(line)
+    if not m:
+        return None
+    i = m.end()
+    end = matching(line, i) if line[i] == "(" else line.index(" ", i)
+    type_ = line[i:end]
+    rest = line[end + 1 :]
+    paren = rest.index("(")
+    opcode = rest[:paren]
+    close = matching(rest, paren)
+    operands = re.findall(r"%([\w.\-]+)", rest[paren:close])
+    return Instr(m.group(2), type_, opcode, operands, rest[paren + 1 : close - 1], rest[close:], bool(m.group(1)))
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """Computations of an HLO module's text, by name, and the entry computation's name."""
+    computations: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+        if header and not line.startswith(" "):
+            current = computations.setdefault(header.group(2), [])
+            entry = header.group(2) if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (instr := parse_instr(line)) is not None:
+            current.append(instr)
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def arrays(type_: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    for dtype, dims, layout in ARRAY.findall(type_):
+        if dtype in DTYPE_BYTES:
+            yield dtype, tuple(int(d) for d in dims.split(",") if d), layout or ""
+
+
+def type_bytes(type_: str, skip_onchip: bool = True) -> float:
+    """Bytes of every array in an HLO type (tuples summed), off-chip ones only by default."""
+    return sum(
+        DTYPE_BYTES[dt] * math.prod(dims) for dt, dims, layout in arrays(type_) if not (skip_onchip and ONCHIP_SPACE in layout)
+    )
+
+
+def dims(type_: str) -> tuple[int, ...]:
+    return next(arrays(type_))[1]
+
+
+def attr(attrs: str, key: str) -> str | None:
+    """The value of ``key=...`` in an instruction's attributes (a ``{...}`` value whole)."""
+    m = re.search(rf"\b{key}=", attrs)
+    if not m:
+        return None
+    if attrs[m.end()] == "{":
+        return attrs[m.end() : matching(attrs, m.end())]
+    return re.match(r"[^\s,]+", attrs[m.end() :]).group()
+
+
+def backend_config(attrs: str) -> dict:
+    value = attr(attrs, "backend_config")
+    try:
+        return json.loads(value) if value and value.startswith("{") else {}
+    except ValueError:  # not JSON (some targets print a proto text)
+        return {}
