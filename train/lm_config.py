@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
+from bsr_jax.planning.options import OPTIONS
 from train import common_config, settings
 from train.common_config import CommonSettings, Dtype
 from train.options import DX_FORMATS
@@ -21,6 +22,8 @@ from train.settings import UsageError  # noqa: F401  (re-exported for train.lm's
 LM_MODELS = ("cpu", "gpt2-small", "1b", "8b")
 TOKENIZERS = ("bpe", "bytes")
 ATTENTIONS = ("xla", "flash")  # train.lm_attention.ATTENTIONS
+# bsr_jax.plan's remat options (bsr_jax.planning.options.OPTIONS): what --remat-policy names.
+REMAT_POLICIES = tuple(name for name, option in OPTIONS.items() if option.remat)
 # Where a resumed run stops, where its caches and logs are, how it computes dW (backends agree to
 # rounding): nothing that changes what a step computes.
 RESUME_OVERRIDES = ("stop_at", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_dir", "backend")
@@ -34,7 +37,8 @@ class LMConfig(CommonSettings):
     WRITER: ClassVar[str] = "train.lm"
     LAYOUT: ClassVar[tuple[str, ...]] = (
         "data_dir", "cache_dir", "val_fraction", "tokenizer", "vocab_size",
-        "model", "dim", "depth", "heads", "kv_heads", "seq_len", "attention", "tie", "scan", "remat", "dtype", "loss_chunk",
+        "model", "dim", "depth", "heads", "kv_heads", "seq_len", "attention", "tie", "scan", "remat", "remat_policy", "dtype",
+        "loss_chunk",
         "sparsity", "block", "criterion", "selection", "backend", "storage_dtype", "rounding", "stochastic", "sparse_head",
         "lean", "sparsity_warmup_steps", "layer_sparsity",
         "dx", "memory_budget", "target",
@@ -54,6 +58,7 @@ class LMConfig(CommonSettings):
     attention: Literal["xla", "flash"] = "xla"
     tie: bool = False
     scan: bool = False
+    remat_policy: str = "remat"
     loss_chunk: int = 0
     # Compressed residuals (bsr_jax.compress_model with one Rule per --layer-sparsity, then "*").
     lean: bool = True
@@ -90,6 +95,8 @@ class LMConfig(CommonSettings):
             "kv_heads": (self.kv_heads is None or self.kv_heads >= 1, ">= 1 (and dividing --heads)"),
             "seq_len": (self.seq_len is None or self.seq_len >= 1, ">= 1"),
             "attention": (self.attention in ATTENTIONS, f"one of {ATTENTIONS}"),
+            "remat_policy": (self.remat_policy in REMAT_POLICIES and (self.remat or self.remat_policy == "remat"),
+                             f"one of {REMAT_POLICIES}, with --remat"),
             "loss_chunk": (self.loss_chunk >= 0, ">= 0 (0: the plain head and loss)"),
             "sparse_head": (
                 not (self.sparse_head and (self.tie or self.loss_chunk)),
@@ -138,6 +145,11 @@ HELP = {
     "tie": "tie the head to the token embedding",
     "scan": "stack the layers with nn.scan (parameters stacked on a leading axis; one traced layer)",
     "remat": "recompute each layer in the backward pass (nn.remat; inside the scan with --scan)",
+    "remat_policy": "with --remat, what each layer keeps for its backward, as bsr_jax.plan's options of that name: "
+    "'remat' nothing but its input; 'remat-dots' / 'remat-dots-all' JAX's dots_with_no_batch_dims_saveable / dots_saveable; "
+    "'remat-dots-attention' those and cuDNN flash attention's output; "
+    "'remat-offload' those dots in host memory; 'remat-minimal', 'remat-save-qkv', 'remat-save-dots-except-mlp', "
+    "'remat-offload-qkv' MaxText's named policies on the linear layers' outputs (docs/planner.md)",
     "loss_chunk": "tokens per chunk of the head + cross-entropy (bsr_jax.ops.losses; the (B, T, V) logits never exist); "
     "0: the plain head and loss",
     "sparsity": "fraction of activation blocks dropped from each linear layer's weight-gradient residual (0 = dense)",
@@ -157,8 +169,9 @@ HELP = {
     "batch_size": "global batch of windows, split over all devices",
     "fsdp": "shard the parameters, their gradients and AdamW moments over the devices as well as the batch (each leaf "
     "along its largest dimension the device count divides; leaves with none, e.g. a bias of odd length, stay "
-    "replicated): each device stores 1/n of them and gathers the parameters for its step; the same training up to "
-    "the order of float sums",
+    "replicated): each device stores 1/n of them and gathers the parameters for its step (with --scan layer by layer, "
+    "each layer's as it runs and again for its backward; else all at the start); the same training up to the order of "
+    "float sums",
     "steps": "training steps; the learning-rate schedule spans them",
     "seed": "seed of initialisation and data order",
     "stop_at": "stop at this step (the schedule still spans --steps); --resume continues",
@@ -166,7 +179,7 @@ HELP = {
     "eval_windows": "validation windows per evaluation, spread evenly over the validation split",
 }
 
-_CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "attention": ATTENTIONS}
+_CHOICES = {"tokenizer": TOKENIZERS, "model": LM_MODELS, "attention": ATTENTIONS, "remat_policy": REMAT_POLICIES}
 
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:

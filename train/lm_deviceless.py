@@ -30,9 +30,10 @@ def sharded_step(config: LMConfig, target: str, devices: int) -> tuple[Any, Any,
     schedule = lm_loop.learning_rate_schedule(config)
     tx = lm_loop.create_optimizer(config, schedule)
     abstract = jax.eval_shape(lm_loop.initial_state(config, shape, tx))
-    state_sharding = sharding.state_shardings(abstract, mesh, config.fsdp)
+    state_sharding = sharding.state_shardings(abstract, mesh, config.fsdp, lm_loop.stacked_layers(config))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
     batch = {"tokens": jax.ShapeDtypeStruct((config.batch_size, shape.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))}
     loss_fn = lm_loop.loss_function(lm_loop.create_model(config, shape), config)
-    step = lm_loop.make_train_step(loss_fn, tx, schedule, mesh, lm_loop.pruning_seed(config), state_sharding, config.fsdp)
+    step = lm_loop.make_train_step(loss_fn, tx, schedule, mesh, lm_loop.pruning_seed(config), state_sharding, config.fsdp,
+                                   lm_loop.stacked_layers(config))
     return step, state, batch

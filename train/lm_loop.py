@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 import bsr_jax
+from bsr_jax.planning.options import OPTIONS
 from train import lm_data, metrics, planning, run_dir, settings, sharding, steps, stopping
 from train.checkpoint import Checkpoints
 from train.data import prefetch
@@ -73,7 +74,11 @@ def create_model(config: LMConfig, shape: LMShape, level: float = 1.0, compresse
     (and ``compressed``): forward bit-identical, weight gradients from compressed residuals, and
     with ``dx`` input gradients from what norms, SwiGLU and attention keep in that format."""
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-    model = LM(shape, tie=config.tie, scan=config.scan, remat=config.remat, dtype=dtype, attention=config.attention)
+    model = LM(shape, tie=config.tie, scan=config.scan, remat=config.remat, remat_policy=OPTIONS[config.remat_policy].policy, dtype=dtype,
+               attention=config.attention)  # fmt: skip
+    if compressed and not config.compressed and config.remat_policy != "remat":
+        # MaxText's named policies read the tensor names compress_model gives (its dense rule, lean off: nothing changes)
+        return bsr_jax.compress_model(model, [bsr_jax.Rule("*", None)], lean=False)
     if not (compressed and config.compressed):
         return model
     return bsr_jax.compress_model(model, compression_rules(config, level), lean=config.lean, dx=config.dx)
@@ -133,11 +138,17 @@ def loss_function(model, config: LMConfig):
 # ----------------------------------------------------------------------------- steps
 
 
-def make_train_step(loss_fn, tx, schedule, mesh, rng_seed: int | None, state_sharding, fsdp: bool):
+def stacked_layers(config: LMConfig) -> str | None:
+    """The parameters' key the FSDP step gathers layer by layer (``train.sharding``): a scanned
+    model's stacked ``layers``; None unscanned, where every parameter is gathered at the start."""
+    return "layers" if config.scan else None
+
+
+def make_train_step(loss_fn, tx, schedule, mesh, rng_seed: int | None, state_sharding, fsdp: bool, layers: str | None = None):
     """Jitted ``(state, batch) -> (state, metrics)``, state donated and placed as ``state_sharding``
     (``sharding.state_shardings``: replicated, or sharded with ``fsdp``); step ``t`` draws its pruning
     randomness from ``fold_in(key(rng_seed), t)``, so a resumed run draws what an uninterrupted one would."""
-    grad_fn = sharding.data_parallel_grad(loss_fn, mesh, fsdp)
+    grad_fn = sharding.data_parallel_grad(loss_fn, mesh, fsdp, layers)
 
     def step(state, batch):
         rng = None if rng_seed is None else jax.random.fold_in(jax.random.key(rng_seed), state["step"])
@@ -248,7 +259,7 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
         raise UsageError(f"--layer-sparsity: {error}; the model's linear layers are {', '.join(paths)}") from None
 
     init = initial_state(config, shape, tx)
-    state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh, config.fsdp)
+    state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh, config.fsdp, stacked_layers(config))
     state = jax.jit(init, out_shardings=state_sharding)()
     checkpoints = Checkpoints(run_dir.checkpoint_dir(workdir), config.keep_checkpoints)
     if config.resume and checkpoints.latest_step() is not None:
@@ -261,7 +272,8 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
 
     def compile_step(level: float):
         level_model = model if planned else create_model(config, shape, level)
-        step_fn = make_train_step(loss_function(level_model, config), tx, schedule, mesh, rng_seed, state_sharding, config.fsdp)
+        step_fn = make_train_step(loss_function(level_model, config), tx, schedule, mesh, rng_seed, state_sharding, config.fsdp,
+                                  stacked_layers(config))
         return step_fn.lower(state, batch_struct).compile()
 
     previous_env = os.environ.get(bsr_jax.backends.dispatch.ENV_VAR)

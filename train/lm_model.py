@@ -21,7 +21,8 @@ stacked on a leading axis). Computation runs in ``dtype`` (bf16 by default) with
 
 ``scan=True`` stacks the layers with ``nn.scan`` (as MaxText and levanter do: one traced layer, so
 compile time does not grow with depth); ``remat=True`` wraps each layer in ``nn.remat`` (inside
-the scan when both are set), keeping only the layer input.
+the scan when both are set), keeping only the layer input. Under ``train.sharding``'s FSDP layer by
+layer, the scanned layer gathers its own parameters (``sharding.layer_gather``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from train import sharding
 from train.lm_attention import attention_fn
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -167,6 +169,7 @@ class LM(nn.Module):
     tie: bool = False
     scan: bool = False
     remat: bool = False
+    remat_policy: Any = None  # with remat: a jax.checkpoint policy (None: keep nothing but the layer's input)
     dtype: Any = jnp.bfloat16
     attention: str = "xla"  # or "flash": train.lm_attention
 
@@ -175,7 +178,12 @@ class LM(nn.Module):
         s = self.shape
         embed = nn.Embed(s.vocab_size, s.dim, embedding_init=_init, name="embed")
         x = embed(tokens).astype(self.dtype)
-        layer = nn.remat(Layer) if self.remat else Layer
+        layer = nn.remat(Layer, policy=self.remat_policy) if self.remat else Layer
+        gather = sharding.layer_gather()
+        if self.scan and gather is not None:  # FSDP layer by layer (train.sharding): gathered as each layer runs
+            gathered = nn.map_variables(Layer, "params", trans_in_fn=lambda v: {**v, "params": gather(v["params"], self._dtypes(v["params"]))})
+            # and gathered again for the backward, never kept, whatever else the layer keeps
+            layer = nn.remat(gathered, policy=sharding.no_gathered_parameters if not self.remat else sharding.keeping_no_gathered(self.remat_policy))
         if self.scan:
             stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True, "pruning": True}, length=s.depth)
             x, _ = stack(s.heads, s.hidden, s.depth, self.dtype, s.kv_heads, self.attention, name="layers")(x, None)
@@ -188,6 +196,11 @@ class LM(nn.Module):
         if self.tie:
             return embed.attend(x.astype(jnp.float32))
         return nn.Dense(s.vocab_size, use_bias=False, dtype=self.dtype, kernel_init=_init, name="head")(x).astype(jnp.float32)
+
+    def _dtypes(self, params: Any) -> Any:
+        """The dtype a layer computes with each of its parameters: kernels in ``dtype`` (each
+        ``nn.Dense`` casts its kernel), the rest (RMSNorm's scales) as they are."""
+        return jax.tree_util.tree_map_with_path(lambda path, x: jnp.dtype(self.dtype if path[-1].key == "kernel" else x.dtype), params)
 
 
 def head_kernel(params: dict[str, Any], tie: bool) -> jax.Array:

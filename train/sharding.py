@@ -61,18 +61,30 @@ elementwise, so XLA keeps it local, adding only the scalar all-reduce of the glo
 Numerically nothing changes but the order of the cross-device sums. (A plain ``jit`` with sharded
 parameters would leave XLA to choose, per product, between gathering weights and splitting the
 product over them, and the per-device keys and ranking above would no longer be this one function's.)
-What each device holds at the step's peak: its shards of the parameters and moments, plus the
-gathered parameters and the full-size local gradients while the loss runs (XLA:GPU gathers every
-leaf in one collective; gathering layer by layer inside the model, which would bound the gathered
-part to a layer, is not done). Measured for 4 H100s: docs/training.md.
+Layer by layer (``layers=``, a scanned model's stacked parameters, ``train.lm --scan --fsdp``): the
+leaves under that key are split along a dimension other than the leading, stacking one, and are not
+gathered up front; the model gathers each layer's slice as that layer runs (``layer_gather``, which
+the scanned layer applies to its parameters, each cast to the dtype the layer computes in before
+it is gathered, so the link carries bf16 where the products read bf16) and, since the layer's
+checkpoint policy keeps anything but what is gathered (``no_gathered_parameters``), gathers it
+again in the backward rather than keeping it. The gradient is cast back to f32 before it is
+reduce-scattered, as it would be without the early cast. The transpose of that all-gather is the reduce-scatter of the layer's
+gradient, so each device holds one layer's whole parameters and gradients at a time, not the
+model's (ZeRO-3; MaxText's FSDP is the same inside its scan). The sums are the same as above.
+Without ``layers`` (an unscanned model), every leaf is gathered whole at the start. Measured: docs/training.md,
+docs/RESULTS.md section 15.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -80,6 +92,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from train.config import Processes
 
 DATA_AXIS = "data"
+_LAYER_GATHER: contextvars.ContextVar[Callable[[Any], Any] | None] = contextvars.ContextVar("layer_gather", default=None)
 
 
 def join_processes(processes: Processes) -> None:
@@ -122,21 +135,49 @@ def local_rows(batch: Any) -> Any:
     return jax.tree.map(rows, batch)
 
 
-def fsdp_spec(shape: tuple[int, ...], devices: int) -> PartitionSpec:
+def fsdp_spec(shape: tuple[int, ...], devices: int, stacked: bool = False) -> PartitionSpec:
     """How FSDP splits a leaf of ``shape`` over ``devices``: along its largest dimension that
-    ``devices`` divides (the first of equal ones), or not at all where none does."""
-    dims = [d for d, size in enumerate(shape) if size % devices == 0]
+    ``devices`` divides (the first of equal ones), or not at all where none does; a ``stacked``
+    leaf (layers on its leading axis) never along the leading one."""
+    dims = [d for d, size in enumerate(shape) if size % devices == 0 and not (stacked and d == 0)]
     if not dims:
         return PartitionSpec()
     dim = max(dims, key=lambda d: shape[d])
     return PartitionSpec(*[None] * dim, DATA_AXIS)
 
 
-def state_shardings(state: Any, mesh: Mesh, fsdp: bool) -> Any:
+def _under(path: tuple, key: str | None) -> bool:
+    return key is not None and any(getattr(k, "key", None) == key for k in path)
+
+
+def state_shardings(state: Any, mesh: Mesh, fsdp: bool, layers: str | None = None) -> Any:
     """A ``NamedSharding`` per leaf of ``state`` (arrays or shape structs): ``fsdp_spec``'s with
-    ``fsdp``, else replicated."""
+    ``fsdp``, else replicated; leaves under a ``layers`` key (parameters and their moments alike)
+    are stacked layers, split along another than their leading axis (the module docstring)."""
     devices = mesh.devices.size
-    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, devices) if fsdp else PartitionSpec()), state)
+
+    def placed(path, x):
+        return NamedSharding(mesh, fsdp_spec(x.shape, devices, _under(path, layers)) if fsdp else PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(placed, state)
+
+
+def layer_gather() -> Callable[[Any], Any] | None:
+    """While ``data_parallel_grad`` traces a loss that gathers layer by layer: the function
+    ``gather(params, dtypes)`` a scanned model applies to one layer's parameters (a slice of the
+    stacked ``layers`` shards) to gather them whole, each cast to its leaf of ``dtypes`` (the dtype
+    the layer computes with it); None otherwise, when parameters come whole. The model's layer keeps
+    none of them for the backward (``no_gathered_parameters``, as ``train.lm_model.LM`` does)."""
+    return _LAYER_GATHER.get()
+
+
+@contextlib.contextmanager
+def _gathering(gather: Callable[[Any], Any]) -> Iterator[None]:
+    token = _LAYER_GATHER.set(gather)
+    try:
+        yield
+    finally:
+        _LAYER_GATHER.reset(token)
 
 
 def _sharded_dim(spec: PartitionSpec) -> int | None:
@@ -153,6 +194,41 @@ def _whole(x: jax.Array, spec: PartitionSpec) -> jax.Array:
     return jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered_as(x: jax.Array, spec: PartitionSpec, dtype: Any) -> jax.Array:
+    """``_whole(x, spec).astype(dtype)``, cast before it is gathered (the link carries ``dtype``'s
+    bytes), its gradient cast back to x's dtype before it is reduce-scattered (as the gradient of
+    a cast after the gather would be: the same sums, in x's dtype)."""
+    return _whole(x.astype(dtype), spec)
+
+
+def _gathered_as_forward(x, spec, dtype):
+    return _gathered_as(x, spec, dtype), jnp.zeros((0,), x.dtype)  # no residual but x's dtype
+
+
+def _gathered_as_backward(spec, dtype, carrier, g):
+    g, dim = g.astype(carrier.dtype), _sharded_dim(spec)  # _whole's transpose:
+    return (jax.lax.psum(g, DATA_AXIS) if dim is None else jax.lax.psum_scatter(g, DATA_AXIS, scatter_dimension=dim, tiled=True),)
+
+
+_gathered_as.defvjp(_gathered_as_forward, _gathered_as_backward)
+
+
+def no_gathered_parameters(prim: Any, *_: Any, **params: Any) -> bool:
+    """A ``jax.checkpoint`` policy keeping anything but what ``layer_gather`` gathers (an all-gather,
+    or the custom-gradient cast-and-gather around one, which the policy sees whole): the layer's
+    products then read parameters gathered again in the backward from the shards."""
+    if prim is jax.lax.all_gather_p:
+        return False
+    inner = params.get("call_jaxpr") if prim.name == "custom_vjp_call" else None
+    return inner is None or not any(e.primitive is jax.lax.all_gather_p for e in inner.jaxpr.eqns)
+
+
+def keeping_no_gathered(policy: Callable[..., Any] | None) -> Callable[..., Any]:
+    """``policy`` (None: keep nothing) that never keeps what ``layer_gather`` gathers."""
+    return lambda prim, *args, **params: no_gathered_parameters(prim, *args, **params) and policy is not None and policy(prim, *args, **params)
+
+
 def _mean(g: jax.Array, spec: PartitionSpec) -> jax.Array:
     """The mean over devices of a gradient leaf, as ``spec`` stores it: each device gets its shard."""
     dim = _sharded_dim(spec)
@@ -162,7 +238,7 @@ def _mean(g: jax.Array, spec: PartitionSpec) -> jax.Array:
 
 
 def data_parallel_grad(
-    loss_fn: Callable[..., tuple[jax.Array, Any]], mesh: Mesh, fsdp: bool = False
+    loss_fn: Callable[..., tuple[jax.Array, Any]], mesh: Mesh, fsdp: bool = False, layers: str | None = None
 ) -> Callable[..., tuple[tuple[jax.Array, Any], Any]]:
     """``(params, batch, rng=None, batch_stats=None) -> ((loss, aux), grads)`` averaged over the
     shards of ``batch``.
@@ -173,19 +249,40 @@ def data_parallel_grad(
     the pruning semantics), with ``rng`` (if given) folded with the device's index so stochastic
     pruning draws independently per shard; losses, aux and grads are ``pmean``-ed, so all outputs
     are replicated. With ``fsdp``, ``params`` come sharded as ``state_shardings`` shards them and
-    the gradients leave sharded alike (the module docstring's FSDP).
+    the gradients leave sharded alike (the module docstring's FSDP); with ``fsdp`` and ``layers``
+    (the top-level key of a scanned model's stacked layers), the model gathers those layer by layer
+    through ``layer_gather`` (the module docstring).
     """
+    per_layer = layers if fsdp else None
 
     def grad(params, batch, rng=None, batch_stats=None):
-        specs = jax.tree.map(lambda s: s.spec, state_shardings(params, mesh, fsdp))
+        specs = jax.tree.map(lambda s: s.spec, state_shardings(params, mesh, fsdp, per_layer))
+        if per_layer is not None and per_layer not in params:
+            raise ValueError(f"layers={per_layer!r}: no such key in the parameters, whose keys are {sorted(params)}")
+
+        def whole(params):  # all but the stacked layers, which layer_gather gathers one at a time
+            return {k: v if k == per_layer else jax.tree.map(_whole, v, specs[k]) for k, v in params.items()}
+
+        def mean(grads):  # the stacked layers' come reduce-scattered (summed) by their gathers' transposes
+            n = jax.lax.axis_size(DATA_AXIS)
+            return {k: jax.tree.map(lambda g: g / n, v) if k == per_layer else jax.tree.map(_mean, v, specs[k]) for k, v in grads.items()}
+
+        def gather_layer(layer_params, dtypes):
+            layer_specs = jax.tree.map(lambda s: PartitionSpec(*s[1:]), specs[per_layer])
+            return jax.tree.map(_gathered_as, layer_params, layer_specs, dtypes)
 
         def local(params, batch, rng, batch_stats):
             if rng is not None:
                 rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
-            params = jax.tree.map(_whole, params, specs)
             extra = () if batch_stats is None else (batch_stats,)
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng, *extra)
-            return jax.lax.pmean((loss, aux), DATA_AXIS), jax.tree.map(_mean, grads, specs)
+            if per_layer is None:
+                (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(jax.tree.map(_whole, params, specs), batch, rng, *extra)
+                grads = jax.tree.map(_mean, grads, specs)
+            else:
+                with _gathering(gather_layer):
+                    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(whole(params), batch, rng, *extra)
+                grads = mean(grads)
+            return jax.lax.pmean((loss, aux), DATA_AXIS), grads
 
         replicated_spec = PartitionSpec()
         in_specs = (specs, PartitionSpec(DATA_AXIS), replicated_spec, replicated_spec)

@@ -5,16 +5,20 @@ peak and the roofline's modelled time of the per-device program, collectives cou
 model times none of these 8-device programs).
 
 Settings: ``replicated`` (data parallel, the whole state on every device), ``fsdp`` (``--fsdp``:
-parameters, gradients and AdamW moments sharded), ``fsdp-remat`` (and ``nn.remat`` per layer),
-``fsdp-int4`` (and every residual int4), ``fsdp-int4-remat``. Every row: ``--scan`` (one traced
-layer), bf16 compute, f32 master weights, ``--attention flash`` (``jax.nn.dot_product_attention``;
-deviceless without cuDNN it lowers to XLA's attention, which holds the scores: said per row).
+parameters, gradients and AdamW moments sharded; with ``--scan`` gathered layer by layer, as each
+layer runs and again for its backward), ``fsdp-remat`` (and ``nn.remat`` per layer), ``fsdp-int4`` /
+``fsdp-int8`` (and every residual in that format), ``fsdp-int4-remat``, and ``fsdp-<policy>`` for
+JAX's and MaxText's policies per layer (``--remat --remat-policy <policy>``). Every row: ``--scan``
+(one traced layer), bf16 compute, f32 master weights, ``--attention flash``
+(``jax.nn.dot_product_attention``: cuDNN's flash attention where the cuDNN library is installed,
+``pip install nvidia-cudnn-cu12``; without it, or on TPU, XLA's attention, which holds the scores:
+said per row).
 Rows are appended to the JSON as they finish; rows already there are skipped (resumable).
 
     python -m benchmarks.memory.scale --models 1b --targets h100 --batch 1
     python -m benchmarks.memory.scale --table-only
 
-Writes docs/RESULTS.md section 15 (JSON: benchmarks/results/scale.json).
+Writes docs/RESULTS.md section 15 and 15.1 (JSON: benchmarks/results/scale.json).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ SETTINGS = {
     "fsdp-remat": {"fsdp": True, "remat": True},
     "fsdp-int4": {"fsdp": True, "storage_dtype": "int4"},
     "fsdp-int4-remat": {"fsdp": True, "storage_dtype": "int4", "remat": True},
+    "fsdp-int8": {"fsdp": True, "storage_dtype": "int8"},
+    # JAX's and MaxText's policies per layer (train.lm --remat-policy: bsr_jax.plan's options of those names)
+    **{f"fsdp-{policy}": {"fsdp": True, "remat": True, "remat_policy": policy}
+       for policy in ("remat-dots", "remat-dots-attention", "remat-minimal", "remat-save-qkv", "remat-save-dots-except-mlp", "remat-offload-qkv")},
 }
 TARGETS = ("h100", "tpu-v5p")
 

@@ -45,6 +45,15 @@ QKV_LAYERS = ("q", "k", "v", "query", "key", "value", "qkv", "c_attn", "q_proj",
 _QKV_OUTPUTS = tuple(glob for layer in QKV_LAYERS for glob in (f"{layer}:output", f"*/{layer}:output"))
 _MLP_OUTPUTS = ("*[Mm][Ll][Pp]*:output", "*[Ff][Ff][Nn]*:output", "*[Ff]eed[Ff]orward*:output", "*feed_forward*:output")
 _INT4 = Pruning(0.0, block=16, storage_dtype="int4")
+
+
+def _flash_attention_outputs(prim: Any, *_: Any, **__: Any) -> bool:
+    """Keeps cuDNN flash attention's forward (``jax.nn.dot_product_attention`` on a GPU): its output
+    and log-sum-exp, what its backward reads besides q, k and v, so it is not run again."""
+    return prim.name == "dot_product_attention_fwd_wrapper"
+
+
+
 # The errors are relative Frobenius errors against plain autodiff, measured on small models.
 _DW_INT4 = "dW from int4 inputs, error 0.04-0.23 (docs/RESULTS.md 3b)"
 OPTIONS: Mapping[str, Option] = {
@@ -57,6 +66,8 @@ OPTIONS: Mapping[str, Option] = {
     "remat": Option(remat=True),
     "remat-dots": Option(remat=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     "remat-dots-all": Option(remat=True, policy=jax.checkpoint_policies.dots_saveable),
+    "remat-dots-attention": Option(remat=True, policy=jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _flash_attention_outputs), opt_in=True),
     "remat-offload": Option(remat=True, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")),
     # MaxText's named policies (minimal, save_qkv_proj, save_dot_except_mlp, qkv_proj_offloaded) on
     # compress_model's tensor names (bsr_jax.core.names): linear layers found by their path.

@@ -1,0 +1,103 @@
+"""FSDP layer by layer (``train.sharding``, ``train.lm --scan --fsdp``) on 4 forced host devices, in a
+fresh interpreter:
+
+    XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_allow_excess_precision=false" \
+        python tests/train/test_fsdp_layer_by_layer.py
+
+A scanned bf16 LM's loss and gradients when each layer gathers its own parameters equal, bit for
+bit, those of gathering every parameter at the start (excess precision off, so that XLA rounds to
+bf16 where the program says in both programs), with and without int4 storage, remat and a remat
+policy; the stacked layers are never split along their layer axis; and the forward pass keeps no
+kernel-shaped stack for the backward (the gathered parameters are gathered again, not kept), except
+where a compressed layer keeps its kernel inside its custom gradient (int4: a known cost). The
+child prints one JSON line of what it saw; the test judges it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests import host_devices
+
+DEVICES = 4
+CASES = {  # name -> LMConfig overrides
+    "plain": {},
+    "int4": {"storage_dtype": "int4"},
+    "remat-dots-attention": {"remat": True, "remat_policy": "remat-dots-attention"},
+}
+
+
+def _scan_outputs(jaxpr) -> list[tuple[int, ...]]:
+    """Shapes of what every scan in ``jaxpr`` (nested too) returns."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                shapes += _scan_outputs(inner)
+    return shapes
+
+
+def main() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from train import lm_loop, sharding
+    from train.lm_config import LMConfig
+
+    assert len(jax.devices()) == DEVICES, jax.devices()
+    mesh = sharding.make_mesh()
+    tokens = {"tokens": jax.random.randint(jax.random.key(1), (8, 17), 0, 260)}
+    seen = {}
+    for name, overrides in CASES.items():
+        config = LMConfig(model="cpu", dim=32, depth=2, heads=2, seq_len=16, batch_size=8, vocab_size=260, dtype="bfloat16", scan=True,
+                          fsdp=True, **overrides)  # fmt: skip
+        shape = lm_loop.model_shape(config, config.vocab_size)
+        state = lm_loop.initial_state(config, shape, lm_loop.create_optimizer(config, lm_loop.learning_rate_schedule(config)))()
+        loss_fn = lm_loop.loss_function(lm_loop.create_model(config, shape), config)
+        out = {}
+        for layers in (None, lm_loop.stacked_layers(config)):
+            placed = sharding.state_shardings(state["params"], mesh, True, layers)
+            grad_fn = sharding.data_parallel_grad(loss_fn, mesh, True, layers)
+            (loss, _), grads = jax.jit(grad_fn)(jax.device_put(state["params"], placed), tokens, jax.random.key(0))
+            out[layers] = (float(loss), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)])
+        (whole_loss, whole), (layer_loss, by_layer) = out.values()
+        stacked_specs = [list(map(str, s.spec)) for s in jax.tree.leaves(sharding.state_shardings(state["params"]["layers"], mesh, True, "layers"))]
+        kernels = {tuple(x.shape) for x in jax.tree.leaves(state["params"]["layers"]) if x.ndim == 3}
+        abstract = jax.eval_shape(lambda p: p, state["params"])
+        jaxpr = jax.make_jaxpr(sharding.data_parallel_grad(loss_fn, mesh, True, "layers"))(abstract, tokens, jax.random.key(0)).jaxpr
+        kept = [s for s in _scan_outputs(jaxpr) if s in kernels or tuple(s[:1]) + tuple(s[2:]) in kernels]
+        seen[name] = {"losses": [whole_loss, layer_loss], "max_grad_difference": max(float(np.abs(a - b).max()) for a, b in zip(whole, by_layer)),
+                      "stacked_specs": stacked_specs, "kept_kernel_stacks": [list(s) for s in kept],
+                      "forward_scan_outputs": len(_scan_outputs(jaxpr))}  # fmt: skip
+    print(json.dumps(seen))
+
+
+def test_gathering_layer_by_layer_gives_the_gradients_of_gathering_all_and_keeps_no_gathered_kernel():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "XLA_FLAGS": host_devices.xla_flags(DEVICES) + " --xla_allow_excess_precision=false", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    done = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(seen) == set(CASES)
+    for name, case in seen.items():
+        whole, by_layer = case["losses"]
+        assert whole == by_layer, name
+        assert case["max_grad_difference"] == 0.0, name
+        # Every stacked leaf is split along a dimension other than the layer axis (or kept whole).
+        assert all(spec[:1] != ["data"] for spec in case["stacked_specs"]), (name, case["stacked_specs"])
+        assert any("data" in spec for spec in case["stacked_specs"]), name
+        assert case["forward_scan_outputs"] > 0, name  # the check below looked at the scans' residuals
+        if name == "int4":  # a compressed layer's custom gradient keeps its kernel for dx: the policy cannot see inside
+            assert case["kept_kernel_stacks"], name
+        else:
+            assert case["kept_kernel_stacks"] == [], (name, case["kept_kernel_stacks"])
+
+
+if __name__ == "__main__":
+    main()
