@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--batch", type=int, choices=(1, 2), default=1, help="sequences per device")
     parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--out", default="benchmarks/results/scale.json")
+    parser.add_argument("--out", default="benchmarks/results/scale-layerwise.json")
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args(argv)
     rows = json.load(open(args.out)) if os.path.exists(args.out) else []
