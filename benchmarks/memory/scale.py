@@ -24,7 +24,6 @@ Writes docs/RESULTS.md section 15 and 15.1 (JSON: benchmarks/results/scale.json)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -81,6 +80,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def within_budgets(rows: list[dict], hbm_gib: float = 80.0, fractions: tuple[float, ...] = (0.5, 0.7)) -> str:
+    """The fastest measured setting whose peak fits each budget (a fraction of the device's memory),
+    beside remat per layer: a choice among whole-model settings, not ``bsr_jax.plan`` (which does not
+    plan over a mesh yet)."""
+    lines = ["| model | target | budget | fastest setting within it | peak GiB | modelled ms | vs fsdp-remat |", "|---|---|---|---|---:|---:|---:|"]
+    for key in dict.fromkeys((r["model"], r["target"], r["batch_per_device"]) for r in rows):
+        group = [r for r in rows if (r["model"], r["target"], r["batch_per_device"]) == key]
+        remat = next((r["roofline_ms"] for r in group if r["setting"] == "fsdp-remat"), None)
+        for fraction in fractions:
+            fits = [r for r in group if r["peak_gib"] <= fraction * hbm_gib]
+            if not fits:
+                lines.append(f"| {key[0]} | {key[1]} | {fraction:.1f} x {hbm_gib:.0f} GiB | nothing fits | | | |")
+                continue
+            best = min(fits, key=lambda r: r["roofline_ms"])
+            ratio = f"{best['roofline_ms'] / remat:.3f}x" if remat else ""
+            lines.append(f"| {key[0]} | {key[1]} | {fraction:.1f} x {hbm_gib:.0f} GiB | {best['setting']} | {best['peak_gib']:.1f} | "
+                         f"{best['roofline_ms']:.0f} | {ratio} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=("1b", "8b"), default=["1b", "8b"])
@@ -91,7 +110,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results/scale-layerwise.json")
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args(argv)
-    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    rows = []
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = json.load(f)
     if not args.table_only:
         done = {(r["model"], r["target"], r["setting"], r["batch_per_device"], r["seq_len"]) for r in rows}
         for model in args.models:
@@ -106,6 +128,8 @@ def main(argv=None) -> None:
                     with open(args.out, "w") as f:
                         json.dump(rows, f, indent=1)
     print(table(rows))
+    print()
+    print(within_budgets(rows))
     print(footer(run_metadata()))
 
 
