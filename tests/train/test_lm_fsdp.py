@@ -2,7 +2,8 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/train/test_lm_fsdp.py WORKDIR
 
-The run compresses every residual (int4 at sparsity 0, the head included), in float32. An FSDP
+The run (scanned layers, so FSDP gathers them one at a time) compresses every residual (int4 at
+sparsity 0, the head included), in float32. An FSDP
 run stopped after 2 steps and resumed for a third gives the losses of the replicated run (only the
 order of the cross-device sums may differ); every parameter and AdamW moment of the state the
 resume restores, and of the state its step returns, is split 4 ways along the dimension
@@ -56,10 +57,11 @@ def main(root: str) -> None:
         return state, result
 
     steps.run_steps = spy
-    # int4 at sparsity 0, the head too: every linear layer's residual compressed, per device.
+    # int4 at sparsity 0, the head too: every linear layer's residual compressed, per device; scanned, so FSDP
+    # gathers the layers one at a time (train.sharding).
     tiny = LMConfig(data_dir=os.path.join(stdlib_root(), "email"), val_fraction=0.2, tokenizer="bytes", dim=32, depth=1, heads=2,
                     seq_len=16, batch_size=8, steps=3, warmup_steps=1, lr=1e-2, eval_every=3, eval_windows=8, log_every=1,
-                    dtype="float32", storage_dtype="int4", sparse_head=True)  # fmt: skip
+                    dtype="float32", storage_dtype="int4", sparse_head=True, scan=True)  # fmt: skip
     losses = lambda workdir: [r["loss"] for r in run_dir.read_records(workdir) if r["kind"] == "train"]
     lm_loop.train_and_evaluate(tiny, replicated := os.path.join(root, "replicated"))
     fsdp = dataclasses.replace(tiny, fsdp=True)
