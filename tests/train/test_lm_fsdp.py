@@ -97,9 +97,9 @@ def _eight_device_step(target: str, fsdp: bool):
     from train import lm_deviceless
     from train.lm_config import LMConfig
 
-    # A 2-layer bf16 LM, every residual int4; batch 8 over the 8 devices.
+    # A 2-layer scanned bf16 LM (FSDP gathers it layer by layer), every residual int4; batch 8 over the 8 devices.
     config = LMConfig(model="cpu", dim=128, depth=2, heads=4, seq_len=64, batch_size=8, vocab_size=1024, dtype="bfloat16",
-                      storage_dtype="int4", fsdp=fsdp)  # fmt: skip
+                      storage_dtype="int4", fsdp=fsdp, scan=True)  # fmt: skip
     return lm_deviceless.sharded_step(config, target, devices=8)
 
 
