@@ -31,6 +31,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 import pallas_kernels
 from bsr_jax.measure.hardware import H100, HARDWARE, TPU_V5P, Hardware  # noqa: F401  (roofline.H100 is read by callers)
 from bsr_jax.measure.hlo_text import (
@@ -112,18 +114,39 @@ def _attention_flops(config: dict, q_dims: tuple[int, ...], backward: bool) -> f
     return products * 2.0 * scores * q_dims[-1] * (0.5 if config.get("mask_type") == "CAUSAL" else 1.0)
 
 
+def _valid_taps(out: int, size: int, window: int, stride: int, pad_lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, window tap) pairs of one spatial dimension whose tap reads the input, not
+    its padding or the holes of its dilation."""
+    o = np.arange(out)[:, None] * stride + np.arange(window)[None, :] * rhs_dilate - pad_lo
+    return int(np.count_nonzero((o >= 0) & (o <= (size - 1) * lhs_dilate) & (o % lhs_dilate == 0)))
+
+
 def _conv_flops(instr: Instr, shapes: dict[str, str]) -> float:
     """2 x output elements x the kernel elements each output reads (rhs size over its output
-    features), thinned by the lhs dilation (XLA:TPU writes batched dots as dilated convolutions:
-    most of a dilated window's taps read the holes)."""
+    features), thinned to the window taps that read the input: XLA:TPU writes batched dots as
+    convolutions whose lhs is dilated as wide as the window, and projections as a window sliding
+    over a padded spatial dimension of size 1; most of their taps read holes or padding."""
     labels = attr(instr.attrs, "dim_labels") or ""
-    rhs_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
-    rhs_dims = dims(shapes[instr.operands[1]])
+    lhs_labels, rhs_labels = (labels.split("->")[0].split("_") + ["", ""])[:2] if "_" in labels else ("", "")
+    out_labels = labels.split("->")[1] if "->" in labels else ""
+    lhs_dims, rhs_dims, out_dims = dims(shapes[instr.operands[0]]), dims(shapes[instr.operands[1]]), dims(instr.type)
     out_features = rhs_dims[rhs_labels.index("o")] if "o" in rhs_labels else 1
-    window = attr(instr.attrs, "window") or ""
-    dilation = re.search(r"lhs_dilate=([\dx]+)", window)
-    thinning = math.prod(int(d) for d in dilation.group(1).split("x")) if dilation else 1
-    return 2.0 * math.prod(dims(instr.type)) * math.prod(rhs_dims) / out_features / thinning
+    dense = 2.0 * math.prod(out_dims) * math.prod(rhs_dims) / out_features
+    window = dict(re.findall(r"(\w+)=([\d_x]+)", attr(instr.attrs, "window") or ""))
+    if "size" not in window:
+        return dense
+    sizes = [int(w) for w in window["size"].split("x")]
+    per_dim = lambda key, default: [p for p in window[key].split("x")] if key in window else [default] * len(sizes)
+    fraction = 1.0
+    for i, (w, stride, pad, ld, rd) in enumerate(zip(sizes, per_dim("stride", "1"), per_dim("pad", "0_0"), per_dim("lhs_dilate", "1"),
+                                                        per_dim("rhs_dilate", "1"))):  # fmt: skip
+        digit = str(i)
+        if digit not in lhs_labels or digit not in out_labels:
+            continue
+        out = out_dims[out_labels.index(digit)]
+        taps = _valid_taps(out, lhs_dims[lhs_labels.index(digit)], w, int(stride), int(pad.split("_")[0]), int(ld), int(rd))
+        fraction *= taps / (out * w)
+    return dense * fraction
 
 
 class _Model:

@@ -271,3 +271,20 @@ def test_cudnn_flash_attention_counts_its_products_over_the_scores(target, produ
     causal = rl.roofline(_flash(target, "CAUSAL"), TOY)
     assert causal.flops == full.flops / 2
     assert causal.seconds == pytest.approx(max(causal.bytes / 1e9, causal.flops / 2e9) + 1.0)  # bf16's peak
+
+
+# A projection as XLA:TPU writes it inside a step (the 8b LM's q, cut down): x (64 tokens, 32 features,
+# a spatial dimension of 1) convolved with the kernel (4 heads as a window, 16 outputs, 32 inputs),
+# the window sliding over that dimension padded by 3 on each side: one tap of each window reads x.
+PADDED_WINDOW = """HloModule m
+
+ENTRY %main (x: bf16[64,32,1], w: bf16[4,16,32]) -> bf16[64,4,16] {
+  %x = bf16[64,32,1]{0,1,2} parameter(0)
+  %w = bf16[4,16,32]{2,1,0} parameter(1)
+  ROOT %convolution.125 = bf16[64,4,16]{0,2,1} convolution(%x, %w), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+}
+"""
+
+
+def test_a_projection_written_as_a_padded_window_counts_only_the_taps_that_read_data():
+    assert rl.roofline(PADDED_WINDOW, TOY).flops == 2 * 64 * 32 * (4 * 16)  # x (64, 32) @ w (32, 64)
