@@ -63,16 +63,15 @@ parameters would leave XLA to choose, per product, between gathering weights and
 product over them, and the per-device keys and ranking above would no longer be this one function's.)
 Layer by layer (``layers=``, a scanned model's stacked parameters, ``train.lm --scan --fsdp``): the
 leaves under that key are split along a dimension other than the leading, stacking one, and are not
-gathered up front; the model gathers each layer's slice as that layer runs (``layer_gather``, which
-the scanned layer applies to its parameters, each cast to the dtype the layer computes in before
-it is gathered, so the link carries bf16 where the products read bf16) and, since the layer's
-checkpoint policy keeps anything but what is gathered (``no_gathered_parameters``), gathers it
-again in the backward rather than keeping it. The gradient is cast back to f32 before it is
-reduce-scattered, as it would be without the early cast. The transpose of that all-gather is the reduce-scatter of the layer's
-gradient, so each device holds one layer's whole parameters and gradients at a time, not the
-model's (ZeRO-3; MaxText's FSDP is the same inside its scan). The sums are the same as above.
-Without ``layers`` (an unscanned model), every leaf is gathered whole at the start. Measured: docs/training.md,
-docs/RESULTS.md section 15.
+gathered up front. The model gathers each layer's slice as that layer runs (``layer_gather``; each
+leaf cast to the dtype the layer computes with it before the gather, so bf16 crosses the link where
+the products read bf16) and, since the layer's checkpoint policy keeps anything but what is gathered
+(``no_gathered_parameters``), gathers it again in its backward rather than keeping it. The transpose
+of that all-gather is the reduce-scatter of the layer's gradient (cast back to f32 first, as without
+the early cast: the same sums as above), so each device holds one layer's whole parameters and
+gradients at a time, not the model's (ZeRO-3; MaxText's FSDP is the same inside its scan). Without
+``layers`` (an unscanned model) every leaf is gathered whole at the start. Measured:
+docs/training.md, docs/RESULTS.md sections 15-15.2.
 """
 
 from __future__ import annotations
@@ -92,7 +91,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from train.config import Processes
 
 DATA_AXIS = "data"
-_LAYER_GATHER: contextvars.ContextVar[Callable[[Any], Any] | None] = contextvars.ContextVar("layer_gather", default=None)
+LayerGather = Callable[[Any, Any], Any]  # (one layer's parameter shards, their dtypes) -> the parameters whole
+_LAYER_GATHER: contextvars.ContextVar[LayerGather | None] = contextvars.ContextVar("layer_gather", default=None)
 
 
 def join_processes(processes: Processes) -> None:
@@ -162,7 +162,7 @@ def state_shardings(state: Any, mesh: Mesh, fsdp: bool, layers: str | None = Non
     return jax.tree_util.tree_map_with_path(placed, state)
 
 
-def layer_gather() -> Callable[[Any], Any] | None:
+def layer_gather() -> LayerGather | None:
     """While ``data_parallel_grad`` traces a loss that gathers layer by layer: the function
     ``gather(params, dtypes)`` a scanned model applies to one layer's parameters (a slice of the
     stacked ``layers`` shards) to gather them whole, each cast to its leaf of ``dtypes`` (the dtype
@@ -172,7 +172,7 @@ def layer_gather() -> Callable[[Any], Any] | None:
 
 
 @contextlib.contextmanager
-def _gathering(gather: Callable[[Any], Any]) -> Iterator[None]:
+def _gathering(gather: LayerGather) -> Iterator[None]:
     token = _LAYER_GATHER.set(gather)
     try:
         yield
@@ -226,7 +226,11 @@ def no_gathered_parameters(prim: Any, *_: Any, **params: Any) -> bool:
 
 def keeping_no_gathered(policy: Callable[..., Any] | None) -> Callable[..., Any]:
     """``policy`` (None: keep nothing) that never keeps what ``layer_gather`` gathers."""
-    return lambda prim, *args, **params: no_gathered_parameters(prim, *args, **params) and policy is not None and policy(prim, *args, **params)
+
+    def keeps(prim: Any, *args: Any, **params: Any) -> Any:
+        return no_gathered_parameters(prim, *args, **params) and policy is not None and policy(prim, *args, **params)
+
+    return keeps
 
 
 def _mean(g: jax.Array, spec: PartitionSpec) -> jax.Array:
