@@ -9,8 +9,10 @@ bit, those of gathering every parameter at the start (excess precision off, so t
 bf16 where the program says in both programs), with and without int4 storage, remat and a remat
 policy; the stacked layers are never split along their layer axis; and the forward pass keeps no
 stack of bf16 kernels for the backward (the gathered parameters are gathered again, not kept),
-except where a compressed layer keeps its kernel beside its compressed input (int4: a known cost,
-docs/training.md). The child prints one JSON line of what it saw; the test judges it.
+except under compress_model's lean pass (int4 with its default ``lean``: each module runs under its
+own ``jax.checkpoint``, which keeps its inputs, the gathered kernels among them; a known cost,
+docs/training.md), which the same int4 run without ``lean`` shows. The child prints one JSON line of
+what it saw; the test judges it.
 """
 
 import json
@@ -24,6 +26,7 @@ DEVICES = 4
 CASES = {  # name -> LMConfig overrides
     "plain": {},
     "int4": {"storage_dtype": "int4"},
+    "int4-not-lean": {"storage_dtype": "int4", "lean": False},
     "remat-dots-attention": {"remat": True, "remat_policy": "remat-dots-attention"},
 }
 
@@ -94,7 +97,7 @@ def test_gathering_layer_by_layer_gives_the_gradients_of_gathering_all_and_keeps
         assert all(spec[:1] != ["data"] for spec in case["stacked_specs"]), (name, case["stacked_specs"])
         assert any("data" in spec for spec in case["stacked_specs"]), name
         assert case["forward_scan_outputs"] > 0, name  # the check below looked at the scans' residuals
-        if name == "int4":  # kernel and compressed input: one custom gradient's residuals, kept together
+        if name == "int4":  # the lean pass's checkpoints keep their inputs, the gathered kernels among them
             assert len(case["kept_kernel_stacks"]) == 7, case["kept_kernel_stacks"]  # q, k, v, o, gate, up, down: docs/training.md
         else:
             assert case["kept_kernel_stacks"] == [], (name, case["kept_kernel_stacks"])
