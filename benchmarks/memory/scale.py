@@ -46,6 +46,9 @@ SETTINGS = {
     "fsdp-int4": {"fsdp": True, "storage_dtype": "int4"},
     "fsdp-int4-remat": {"fsdp": True, "storage_dtype": "int4", "remat": True},
     "fsdp-int8": {"fsdp": True, "storage_dtype": "int8"},
+    # compress_model without its lean pass (whose per-module checkpoints keep the gathered kernels)
+    "fsdp-int4-not-lean": {"fsdp": True, "storage_dtype": "int4", "lean": False},
+    "fsdp-int4-not-lean-remat-dots": {"fsdp": True, "storage_dtype": "int4", "lean": False, "remat": True, "remat_policy": "remat-dots"},
     # JAX's and MaxText's policies per layer (train.lm --remat-policy: bsr_jax.plan's options of those names)
     **{f"fsdp-{policy}": {"fsdp": True, "remat": True, "remat_policy": policy}
        for policy in ("remat-dots", "remat-dots-attention", "remat-minimal", "remat-save-qkv", "remat-save-dots-except-mlp", "remat-offload-qkv")},
