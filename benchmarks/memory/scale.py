@@ -18,7 +18,8 @@ Rows are appended to the JSON as they finish; rows already there are skipped (re
     python -m benchmarks.memory.scale --models 1b --targets h100 --batch 1
     python -m benchmarks.memory.scale --table-only
 
-Writes docs/RESULTS.md section 15 and 15.1 (JSON: benchmarks/results/scale.json).
+Writes docs/RESULTS.md sections 15.1 and 15.2 (JSON: benchmarks/results/scale-layerwise.json; section 15's
+rows, gathered whole and with XLA's attention, are in benchmarks/results/scale.json).
 """
 
 from __future__ import annotations

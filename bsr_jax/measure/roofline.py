@@ -127,7 +127,7 @@ def _conv_flops(instr: Instr, shapes: dict[str, str]) -> float:
     convolutions whose lhs is dilated as wide as the window, and projections as a window sliding
     over a padded spatial dimension of size 1; most of their taps read holes or padding."""
     labels = attr(instr.attrs, "dim_labels") or ""
-    lhs_labels, rhs_labels = (labels.split("->")[0].split("_") + ["", ""])[:2] if "_" in labels else ("", "")
+    lhs_labels, rhs_labels = (labels.split("->")[0].split("_") + ["", ""])[:2]
     out_labels = labels.split("->")[1] if "->" in labels else ""
     lhs_dims, rhs_dims, out_dims = dims(shapes[instr.operands[0]]), dims(shapes[instr.operands[1]]), dims(instr.type)
     out_features = rhs_dims[rhs_labels.index("o")] if "o" in rhs_labels else 1
@@ -168,8 +168,11 @@ class _Model:
             f = _conv_flops(instr, shapes)
         else:
             return 0.0, 0.0
-        dtype = next(arrays(shapes[instr.operands[0]]))[0]
-        return f, f / self.hw.matmul_flops.get(dtype, self.hw.default_flops)
+        return self.at_peak(f, instr, shapes)
+
+    def at_peak(self, flops: float, instr: Instr, shapes: dict[str, str]) -> tuple[float, float]:
+        """(FLOPs, seconds at the matmul peak for the dtype of ``instr``'s first operand)."""
+        return flops, flops / self.hw.matmul_flops.get(next(arrays(shapes[instr.operands[0]]))[0], self.hw.default_flops)
 
     def matmul(self, computation: str) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of the dots and convolutions in a computation and those it calls."""
@@ -187,16 +190,14 @@ class _Model:
         if "gemm_backend_config" in config or "cublas" in target:
             numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
             contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
-            lhs = next(arrays(shapes[instr.operands[0]]))
-            f = _dot_flops(lhs[1], math.prod(next(arrays(out_type))[1]), contracting)
-            return f, f / self.hw.matmul_flops.get(lhs[0], self.hw.default_flops)
+            f = _dot_flops(dims(shapes[instr.operands[0]]), math.prod(next(arrays(out_type))[1]), contracting)
+            return self.at_peak(f, instr, shapes)
         if "cudnn$conv" in target:
             conv = Instr(instr.name, out_type, "convolution", instr.operands, "", instr.attrs, False)
-            f = _conv_flops(conv, shapes)
-            return f, f / self.hw.matmul_flops.get(next(arrays(shapes[instr.operands[0]]))[0], self.hw.default_flops)
+            return self.at_peak(_conv_flops(conv, shapes), instr, shapes)
         if "cudnn$fmha" in target:
             f = _attention_flops(config.get("cudnn_fmha_backend_config", {}), dims(shapes[instr.operands[0]]), "Backward" in target)
-            return f, f / self.hw.matmul_flops.get(next(arrays(shapes[instr.operands[0]]))[0], self.hw.default_flops)
+            return self.at_peak(f, instr, shapes)
         kernel = re.search(r'name = "(\w+)"', instr.attrs)
         if "triton" in target and kernel and kernel.group(1) in pallas_kernels.KERNEL_FLOPS:
             # Operands (ptr, ids, values, dense): the Triton call carries no cost estimate of its own.

@@ -53,7 +53,6 @@ def _flash_attention_outputs(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name == "dot_product_attention_fwd_wrapper"
 
 
-
 # The errors are relative Frobenius errors against plain autodiff, measured on small models.
 _DW_INT4 = "dW from int4 inputs, error 0.04-0.23 (docs/RESULTS.md 3b)"
 OPTIONS: Mapping[str, Option] = {
