@@ -1,19 +1,32 @@
-"""Block-sparse matmul kernels in Pallas (GPU via Triton), each beside a pure jax.numpy reference.
+"""Block-sparse and quantized-input matmul kernels in Pallas (GPU via Triton), each beside a pure
+jax.numpy reference.
 
 Kernels take plain arrays: kept blocks ``values (cap, bm, bk)`` plus int32 index arrays (see
 ``pallas_kernels.layout``). On CUDA/ROCm they compile with Triton; elsewhere they run in the
 Pallas interpreter (slow; for tests).
 """
 
-from pallas_kernels import block_loop
+from pallas_kernels import block_loop, quantized_matmul
 from pallas_kernels.bsr_matmul import bsr_matmul, bsr_matmul_reference
 from pallas_kernels.bsr_t_matmul import bsr_t_matmul, bsr_t_matmul_reference
+from pallas_kernels.quantized_matmul import (
+    matmul_quantizing,
+    quantize_reference,
+    quantized_t_matmul,
+    quantized_t_matmul_reference,
+)
 from pallas_kernels.layout import column_to_row_major, ids_from_ptr, ptr_from_ids
 from pallas_kernels.tiling import TILE_CONFIGS, TileConfig, tile_config_for
 
-# FLOPs of each kernel by its name, from its (values, dense) operand shapes: for cost models that
-# see only the compiled custom call (XLA:GPU's Triton calls carry no pl.CostEstimate).
-KERNEL_FLOPS = {"bsr_matmul": block_loop.flops, "bsr_t_matmul": block_loop.flops}
+# FLOPs of each kernel by its name, from the shapes of its operands and result, and the operand whose dtype
+# sets the matrix units' rate (None: a cost model's default rate): for cost models that see only
+# the compiled custom call (XLA:GPU's Triton calls carry no pl.CostEstimate).
+KERNEL_FLOPS = {
+    "bsr_matmul": (block_loop.operand_flops, None),
+    "bsr_t_matmul": (block_loop.operand_flops, None),
+    "matmul_quantizing": (quantized_matmul.matmul_flops, 0),  # (x, w): x's dtype
+    "quantized_t_matmul": (quantized_matmul.t_matmul_flops, 2),  # (codes, scales, dy): dequantized to dy's dtype
+}
 
 __all__ = [
     "KERNEL_FLOPS",
@@ -24,6 +37,10 @@ __all__ = [
     "bsr_t_matmul",
     "bsr_t_matmul_reference",
     "column_to_row_major",
+    "matmul_quantizing",
+    "quantize_reference",
+    "quantized_t_matmul",
+    "quantized_t_matmul_reference",
     "ids_from_ptr",
     "ptr_from_ids",
     "tile_config_for",

@@ -26,6 +26,7 @@ from pallas_kernels.tiling import (
     check_values,
     column_tile,
     pad_columns,
+    result_like,
     run_by_lowering_platform,
     tile_config_for,
 )
@@ -65,14 +66,16 @@ def flops(values_shape: tuple[int, ...], dense_shape: tuple[int, ...]) -> int:
     return 2 * math.prod(values_shape) * dense_shape[1]
 
 
+def operand_flops(operands: list[tuple[int, ...]], result: tuple[int, ...]) -> int:
+    """``flops`` from the compiled call's operands ``(ptr, ids, values, dense)``."""
+    return flops(operands[2], operands[3])
+
+
 def _launch(ptr, ids, values, dense, *, contract, bn, config, precision, out_dtype, interpret, name):
     out_rows = values.shape[2 - contract]  # bk for x.T @ dy, bm for x @ w
     groups, (rows, cols) = ptr.shape[0] - 1, dense.shape
     whole = pl.no_block_spec  # index arrays and blocks are read at data-dependent slots
-    dense_type = jax.typeof(dense)
-    # Inside shard_map the result varies like the dense operand: derive its type from that one's.
-    out_shape = (dense_type.update(shape=(groups * out_rows, cols), dtype=out_dtype) if dense_type.manual_axis_type.varying
-                 else jax.ShapeDtypeStruct((groups * out_rows, cols), out_dtype))  # fmt: skip
+    out_shape = result_like(dense, (groups * out_rows, cols), out_dtype)
     return pl.pallas_call(
         functools.partial(_kernel, contract=contract, precision=precision),
         out_shape=out_shape,

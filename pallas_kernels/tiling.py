@@ -131,6 +131,12 @@ def block_product(lhs: jax.Array, rhs: jax.Array, lhs_contract: int, precision: 
     return jnp.sum(lhs[:, :, None] * rhs[None, :, :], axis=1)  # (m, c) x (c, n)
 
 
+def result_like(operand: jax.Array, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    """A kernel result's type: inside ``shard_map`` it varies over the mesh axes ``operand`` does."""
+    kind = jax.typeof(operand)
+    return kind.update(shape=shape, dtype=dtype) if kind.manual_axis_type.varying else jax.ShapeDtypeStruct(shape, dtype)
+
+
 def run_by_lowering_platform(call: Callable[..., jax.Array], *args: jax.Array, interpret: bool) -> jax.Array:
     """``call(*args, interpret=...)`` compiled by Triton when lowered for a GPU, interpreted elsewhere.
 

@@ -1,6 +1,7 @@
 """Where a compressed step's time goes: ResMLP-S12's full adamw step (CIFAR, B=128) compiled
 deviceless for H100, its modelled time summed per kind of kernel (each block's kernels added up over
-the 12 blocks), one column per storage format of every dW residual, beside dense.
+the 12 blocks), one column per storage format of every dW residual, beside dense (``int8-fused`` / ``int4-fused``:
+the 1 x 128 formats through ``backend="fused"``, whose GEMMs write and read the codes).
 
 A kernel's kind is its module and op from XLA's metadata (``block*/fc1/reduce_max``), prefixed
 ``GEMM`` where it is a GEMM (a Triton or cuBLAS call, or over 0.1 GFLOP) and ``bwd`` where it runs
@@ -40,12 +41,15 @@ FORMATS = {
     "int4-rows": Pruning(0.0, block=(1, 128), storage_dtype="int4"),
     **TOKEN_ROWS,
 }
+# The 1 x 128 formats through the fused backend: codes written by the forward GEMM, read by dW's.
+FUSED = {"int8-fused": "int8-rows", "int4-fused": "int4-rows"}
+FORMATS |= {name: FORMATS[rows] for name, rows in FUSED.items()}
 TRITON = {"auto": None, "on": True, "off": False}
 
 
-def s12(pruning: Pruning | None):
+def s12(pruning: Pruning | None, backend: str | None = None):
     affine, layerscale = train_models.scale_shift_defs(pruning)
-    return train_models.ResMLP(num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
+    return train_models.ResMLP(num_classes=10, patch_size=4, dense=train_models.dense_def(pruning, backend=backend), stem_dense=train_models.dense_def(),
                                head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, **train_models.PRESETS["s12"])  # fmt: skip
 
 
@@ -57,7 +61,7 @@ def kind(kernel: roofline.Kernel) -> str:
 
 
 def account(fmt: str, triton_gemm: bool | None) -> dict:
-    step, args = step_args(s12(FORMATS[fmt]), (128, 32, 32, 3), 10)
+    step, args = step_args(s12(FORMATS[fmt], "fused" if fmt in FUSED else None), (128, 32, 32, 3), 10)
     program = compiled.compile_for(step, *args, target="h100", donate_argnums=(0, 1), triton_gemm=triton_gemm)
     text = program.as_text()
     model = roofline.roofline(text, "h100")

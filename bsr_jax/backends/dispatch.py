@@ -5,7 +5,8 @@ whole block-rows) and ``dW`` is ``(Kb * bk, N)`` float32; the caller slices off 
 
 Names: ``"reference"`` (densify then one matmul; for tests), ``"xla"`` (pure jax.numpy; default on
 TPU), ``"cpu"`` (the C++ kernel of ``cpu_kernels``; CPU only, the default there) and ``"pallas"``
-(Pallas kernels; default on GPU). ``backend=None`` resolves to the environment variable
+(Pallas kernels; default on GPU), ``"fused"`` (opt in: int8 / int4 codes written by the forward
+GEMM and read by the dW GEMM, ``bsr_jax.backends.fused``; the platform's default elsewhere). ``backend=None`` resolves to the environment variable
 ``BSR_JAX_BACKEND`` if set, else to ``"auto"``: the backend of the platform the function is lowered
 for (``PLATFORM_DEFAULTS``; ``"xla"`` on TPU), not of the host, so compiling ahead of time for a
 GPU or TPU from a CPU machine takes the accelerator's kernels. All agree to float32 rounding.
@@ -24,6 +25,7 @@ from bsr_jax.core import platforms
 from bsr_jax.core import sharding
 from bsr_jax.storage.format import BlockSparse
 from bsr_jax.storage.quantize import whole_rows
+from bsr_jax.backends.fused import fused_dw
 from bsr_jax.backends.pallas import pallas_dw
 from bsr_jax.backends.xla import xla_dw
 
@@ -96,6 +98,8 @@ def platform_dw(bsr: BlockSparse, dy: jax.Array) -> jax.Array:
 
 
 BACKENDS[AUTO] = platform_dw
+# The weight-gradient half of the fused backend; its forward half is in bsr_jax.ops.linear.
+BACKENDS["fused"] = lambda bsr, dy: fused_dw(bsr, dy, platform_dw)
 
 
 def resolve_backend(name: str | None) -> str:

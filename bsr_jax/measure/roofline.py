@@ -200,10 +200,13 @@ class _Model:
             return self.at_peak(f, instr, shapes)
         kernel = re.search(r'name = "(\w+)"', instr.attrs)
         if "triton" in target and kernel and kernel.group(1) in pallas_kernels.KERNEL_FLOPS:
-            # Operands (ptr, ids, values, dense): the Triton call carries no cost estimate of its own.
-            values, dense = (dims(shapes[o]) for o in instr.operands[2:4])
-            f = float(pallas_kernels.KERNEL_FLOPS[kernel.group(1)](values, dense))
-            return f, f / self.hw.default_flops
+            # The Triton call carries no cost estimate of its own: the kernel's FLOPs from its operands.
+            count, rate_operand = pallas_kernels.KERNEL_FLOPS[kernel.group(1)]
+            f = float(count([dims(shapes[o]) for o in instr.operands], next(arrays(instr.type.removeprefix("(")))[1]))
+            if rate_operand is None:
+                return f, f / self.hw.default_flops
+            dtype = next(arrays(shapes[instr.operands[rate_operand]]))[0]
+            return f, f / self.hw.matmul_flops.get(dtype, self.hw.default_flops)
         # Other custom calls (Mosaic kernels on TPU carry their pl.CostEstimate to XLA): as declared.
         estimate = config.get("cost_estimate")
         f = float(estimate.get("flops", 0.0)) if isinstance(estimate, dict) else 0.0
@@ -220,7 +223,8 @@ class _Model:
             return 2 * operand_bytes[1] + sum(operand_bytes[2:])
         if instr.opcode == "scatter":  # (buffer, indices, updates)
             return 2 * sum(operand_bytes[2:]) + operand_bytes[1]
-        if instr.opcode == "custom-call" and instr.type.startswith("("):
+        library_call = re.search(r"cublas|cudnn", attr(instr.attrs, "custom_call_target") or "")
+        if instr.opcode == "custom-call" and instr.type.startswith("(") and library_call:
             out_bytes = type_bytes(instr.type[1:].split("}", 1)[0] + "}")  # cuBLAS/cuDNN: the result, not the workspace
         callee = re.search(r"calls=%([\w.\-]+)", instr.attrs)
         if instr.opcode == "fusion" and callee:

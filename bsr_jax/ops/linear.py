@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from bsr_jax.backends import dispatch as backends
+from bsr_jax.backends import fused
 from bsr_jax.storage import barriers
 from bsr_jax.core import sharding
 from bsr_jax.storage.format import BlockSparse
@@ -64,7 +65,15 @@ def _pruned_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Conf
 
 def _pruned_dot_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
-    x2 = merge_contracted(x, len(config.dims[0][0]))
+    contracted = len(config.dims[0][0])
+    x2 = merge_contracted(x, contracted)
+    w2 = w.reshape(x2.shape[-1], -1)
+    if config.backend == "fused" and fused.why_not(config.pruning, x2.reshape(-1, x2.shape[-1]), w2) is None:
+        x2 = x2.reshape(-1, x2.shape[-1])
+        unfused = lambda x2, w2: (lax.dot_general(x2, w2, linear_dims(2), precision=config.precision), config.pruning.compress(x2))  # noqa: E731
+        y2, blocks = fused.forward(x2, w2, config.pruning, config.precision, unfused)
+        y, blocks = barriers.materialize(y2.reshape(*x.shape[: x.ndim - contracted], *w.shape[contracted:]), blocks)
+        return y, (blocks, w)
     y, blocks = barriers.materialize(_dot(x, w, config), config.pruning.compress(x2, key))
     return y, (blocks, w)
 
@@ -179,8 +188,11 @@ def bsr_linear(
         ``bsr_linear(x, w, b, sparsity=0.7, block=16)``.
       key: PRNG key of stochastic sampling or rounding (needed when differentiated; the forward
         pass does not use it).
-      backend: dW backend, ``"cpu"``, ``"xla"``, ``"pallas"`` or ``"reference"``; ``None`` picks
-        ``$BSR_JAX_BACKEND`` or the platform default (see ``bsr_jax.backends.dispatch``).
+      backend: dW backend, ``"cpu"``, ``"xla"``, ``"pallas"``, ``"fused"`` or ``"reference"``;
+        ``None`` picks ``$BSR_JAX_BACKEND`` or the platform default (see
+        ``bsr_jax.backends.dispatch``). ``"fused"`` also runs the forward product as a kernel that
+        writes x's codes (int8 / int4 in 1 x 128 blocks at sparsity 0; ``bsr_jax.backends.fused``):
+        y then equals the dense layer's up to f32 rounding, not bit for bit.
       precision: passed to ``lax.dot_general`` for y and dx.
 
     Under ``jax.jit`` with x and w sharded over a mesh, each device prunes its own rows and dW is

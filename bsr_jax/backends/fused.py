@@ -1,0 +1,80 @@
+"""The ``fused`` backend: compression inside the layer's GEMMs (``pallas_kernels.quantized_matmul``).
+
+For int8 / int4 storage of every block of 1 x 128 (``Pruning(0.0, block=(1, 128),
+storage_dtype=...)``, round to nearest; clamped to 1 x K for narrower x), the forward GEMM writes x's codes and scales as it reads x,
+and the weight-gradient GEMM dequantizes them in registers: no pass over x of their own. The
+stored residual is the same ``BlockSparse`` as the unfused path's, code for code.
+
+Opt in with ``backend="fused"`` (or ``$BSR_JAX_BACKEND=fused``). Lowered for a GPU the kernels
+compile with Triton; for the CPU they run in the Pallas interpreter (for tests: slow); for a TPU,
+and for layers the kernels do not take (``shape_error``: K a multiple of 128 or a power of two below it, M and N of 16; other
+storage), the layer runs the unfused path of the platform's default backend, which stores the same
+codes. The forward GEMM accumulates in f32 as XLA's does but in its own order: y equals the dense
+layer's up to f32 rounding, not bit for bit. Never run on a GPU yet: deviceless compiles only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import pallas_kernels
+from bsr_jax.core import platforms
+from bsr_jax.storage.format import BlockSparse
+from bsr_jax.storage.pruning import Pruning
+from bsr_jax.storage.quantize import whole_rows
+
+BLOCK = (1, pallas_kernels.quantized_matmul.TILE)
+
+
+def _format_error(pruning: Pruning) -> str | None:
+    if pruning.storage_dtype not in pallas_kernels.quantized_matmul.LIMITS:
+        return f"storage_dtype must be 'int8' or 'int4', got {pruning.storage_dtype!r}"
+    if pruning.sparsity != 0.0 or pruning.block != BLOCK or pruning.rounding != "nearest":
+        return f"needs sparsity 0, block {BLOCK} and rounding 'nearest', got {pruning.sparsity}, {pruning.block}, {pruning.rounding!r}"
+    return None
+
+
+def _tile(k: int) -> int:
+    return min(BLOCK[1], k)  # blocks wider than x are clamped to it (bsr_jax.storage.format)
+
+
+def why_not(pruning: Pruning, x: jax.Array, w: jax.Array) -> str | None:
+    """Why the kernels cannot run ``x (M, K) @ w (K, N)`` under ``pruning`` (None if they can)."""
+    (m, k), n = x.shape, w.shape[1]
+    if pruning.storage_dtype == "int4" and whole_rows((1, _tile(k)), k):
+        return f"int4 rows as wide as x (K = {k}) are stored as jnp.int4 codes (block='row'), which the kernels do not write"
+    return _format_error(pruning) or pallas_kernels.quantized_matmul.shape_error(m, k, n, pruning.storage_dtype, _tile(k))
+
+
+def forward(x: jax.Array, w: jax.Array, pruning: Pruning, precision: lax.PrecisionLike, unfused) -> tuple[jax.Array, BlockSparse]:
+    """``(x @ w, pruning.compress(x))`` for ``x (M, K)``, ``w (K, N)`` the kernels take (``why_not``
+    is None); ``unfused(x, w)`` computes the same pair where they do not run (TPU)."""
+    stored = pruning.stored_shape(x)
+
+    def kernels(x, w):
+        y, codes, scales = pallas_kernels.matmul_quantizing(x, w, storage=pruning.storage_dtype, tile=stored.block[1], precision=precision)
+        values = codes.reshape(stored.values.shape)  # (Kb, M, width) is the blocks layout's (Kb * M, ...)
+        return y, dataclasses.replace(stored, values=values, scales=scales.reshape(-1))
+
+    return platforms.by_lowering_platform(kernels, {"tpu": unfused}, x, w)
+
+
+def fused_dw(bsr: BlockSparse, dy: jax.Array, otherwise) -> jax.Array:
+    """``(K, N)`` float32 ``x.T @ dy`` by ``quantized_t_matmul`` where ``bsr`` is the fused format
+    and the shapes fit; ``otherwise(bsr, dy)`` elsewhere (and on TPU)."""
+    (m, k), n = bsr.shape, dy.shape[1]
+    if (not bsr.is_full or bsr.block != (1, _tile(k)) or bsr.values.dtype not in (jnp.int8, jnp.uint8)
+            or pallas_kernels.quantized_matmul.shape_error(m, k, n, bsr.storage_dtype, _tile(k))):  # fmt: skip
+        return otherwise(bsr, dy)
+    kb = k // _tile(k)
+
+    def kernel(bsr, dy):
+        codes = bsr.values.reshape(kb, m, -1)
+        x_dtype = bsr.dense_dtype or dy.dtype
+        return pallas_kernels.quantized_t_matmul(codes, bsr.scales.reshape(kb, m), dy.astype(x_dtype))
+
+    return platforms.by_lowering_platform(kernel, {"tpu": otherwise}, bsr, dy)

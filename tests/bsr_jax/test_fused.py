@@ -1,0 +1,84 @@
+"""``backend="fused"``: the forward GEMM writes x's int8 / int4 codes (1 x 128 blocks), the dW GEMM
+reads them (``bsr_jax.backends.fused``; kernels interpreted on this CPU).
+
+References: the ``xla`` backend on the same residual (the same codes, so the same dW up to f32
+summation order), ``jax.grad`` of the dense layer (y to f32 rounding, dx exact), and the compiled
+H100 program's own text and peak."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from numerics import assert_close_scaled, bf16_exact_normal
+
+import bsr_jax
+from bsr_jax import Pruning
+from bsr_jax.backends import fused
+
+ROWS = {s: Pruning(0.0, block=(1, 128), storage_dtype=s) for s in ("int8", "int4")}
+
+
+def _grads(x, w, pruning, backend):
+    # Linear in y, so dy does not depend on y's rounding and dx is comparable bit for bit.
+    weights = jax.random.normal(jax.random.key(2), (*x.shape[:-1], w.shape[1]))
+
+    def loss(x, w):
+        y = bsr_jax.bsr_linear(x, w, pruning=pruning, backend=backend)
+        return jnp.sum(y.astype(jnp.float32) * weights), y
+
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("storage,k", [("int8", 256), ("int4", 256), ("int8", 64)])
+def test_fused_gives_the_unfused_gradients_and_the_dense_forward(storage, k, dtype):
+    x = bf16_exact_normal(jax.random.key(0), (2, 24, k), dtype)  # (2, 24, K): leading axes flattened to 48 rows
+    w = bf16_exact_normal(jax.random.key(1), (k, 48), dtype) * 0.1
+    pruning = ROWS[storage]
+    assert fused.why_not(pruning, x.reshape(48, k), w) is None
+    y, dx, dw = _grads(x, w, pruning, "fused")
+    y_xla, dx_xla, dw_xla = _grads(x, w, pruning, "xla")
+    chex.assert_trees_all_equal(dx, dx_xla)  # dx = dy @ w.T either way: the same XLA product
+    assert_close_scaled(y, y_xla, dtype)  # the kernel's own f32 accumulation order
+    assert_close_scaled(dw, dw_xla, dtype)  # the same codes, summed in another order
+    weights = jax.random.normal(jax.random.key(2), (*x.shape[:-1], w.shape[1]))
+    dense_dx, dense_dw = jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32) * weights), argnums=(0, 1))(x, w)
+    assert_close_scaled(dx, dense_dx, dtype)
+    error = jnp.linalg.norm((dw - dense_dw).astype(jnp.float32)) / jnp.linalg.norm(dense_dw.astype(jnp.float32))
+    assert error < {"int8": 0.02, "int4": 0.25}[storage]  # the format's bound (Pruning's docstring)
+
+
+def test_layers_the_kernels_do_not_take_run_the_unfused_path():
+    x = bf16_exact_normal(jax.random.key(0), (48, 96), jnp.float32)  # K = 96: clamped 1 x 96 blocks, not a power of two
+    w = bf16_exact_normal(jax.random.key(1), (96, 32), jnp.float32)
+    assert "tile must be a power of two" in fused.why_not(ROWS["int8"], x, w)
+    assert "block (1, 128)" in fused.why_not(Pruning(0.0, block=16, storage_dtype="int8"), x, w)
+    assert "jnp.int4" in fused.why_not(ROWS["int4"], x[:, :64], w[:64])  # one tile per row: stored as token rows
+    chex.assert_trees_all_equal(_grads(x, w, ROWS["int8"], "fused"), _grads(x, w, ROWS["int8"], "xla"))
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=ROWS["int8"], backend="fused").sum()))(x, w))
+    assert "matmul_quantizing" not in jaxpr and "quantized_t_matmul" not in jaxpr
+
+
+def _step(backend, pruning):
+    def loss(x, w1, w2):
+        h = jax.nn.gelu(bsr_jax.bsr_linear(x, w1, pruning=pruning, backend=backend))
+        return jnp.sum(bsr_jax.bsr_linear(h, w2, pruning=pruning, backend=backend).astype(jnp.float32) ** 2)
+
+    return jax.grad(loss, argnums=(1, 2))
+
+
+def test_compiled_for_h100_the_kernels_write_and_read_the_codes():
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 256), (256, 512), (512, 256))]
+    fused_step = bsr_jax.compiled_memory(_step("fused", ROWS["int4"]), *shapes, target="h100", breakdown=True)
+    unfused = bsr_jax.compiled_memory(_step("pallas", ROWS["int4"]), *shapes, target="h100")
+    ops = [k.op for k in fused_step.kernels]
+    assert any(op.endswith("matmul_quantizing/pallas_call") for op in ops)
+    assert any(op.endswith("quantized_t_matmul/pallas_call") for op in ops)
+    assert fused_step.peak <= unfused.peak  # the same residual: no byte more to keep
+
+
+def test_lowered_for_tpu_it_is_the_unfused_path():
+    x, w1, w2 = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 256), (256, 512), (512, 256)))
+    text = jax.jit(_step("fused", ROWS["int8"])).trace(x, w1, w2).lower(lowering_platforms=("tpu",)).as_text()
+    assert "triton" not in text and "matmul_quantizing" not in text
