@@ -40,9 +40,18 @@ LIMITS = {"int8": 127.0, "int4": 7.0}
 # Rows and columns a program owns; halved until they divide the array (at least MIN_DOT_DIM).
 ROWS, COLUMNS = 64, 128
 NUM_WARPS = 4
-# int4 loads x's even and odd columns apart to pack them (forward) and holds two accumulators
-# (weight gradient): at three stages the forward asked 288 KiB of shared memory of an H100's 227.
-STAGES = {"int8": 3, "int4": 2}
+# Software-pipelining depth: as many stages (at most 3) as fit a budget of shared memory per
+# program, counted as the bytes one stage loads. Triton asked ~1.5x that count (bf16, int4
+# forward: 3 stages of 64 KiB asked 288 KiB of an H100's 227), so the budget leaves a third free.
+MAX_STAGES, STAGE_BUDGET = 3, 150 * 1024
+
+
+def _stages(stage_bytes: int) -> int:
+    return max(1, min(MAX_STAGES, STAGE_BUDGET // stage_bytes))
+
+
+def _columns(dtype) -> int:
+    return COLUMNS if jnp.dtype(dtype).itemsize <= 2 else COLUMNS // 2  # f32 tiles: half as wide
 
 
 def _tile(n: int, largest: int) -> int | None:
@@ -157,8 +166,10 @@ def matmul_quantizing(
     why = shape_error(m, k, n, storage, tile) if w.shape[0] == k and x.dtype == w.dtype else f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must be (M, K) and (K, N) of one dtype"
     if why:
         raise ValueError(f"matmul_quantizing: {why}")
-    bm, bn, kb = _tile(m, ROWS), _tile(n, COLUMNS), k // tile
+    bm, bn, kb = _tile(m, ROWS), _tile(n, _columns(x.dtype)), k // tile
     width = tile // 2 if storage == "int4" else tile
+    # A stage loads x's tile and w's (and, where it quantizes int4, x's tile again as two halves).
+    stages = _stages((bm * tile * (2 if storage == "int4" else 1) + tile * bn) * x.dtype.itemsize)
     outs = (
         result_like(x, (m, n), x.dtype),
         result_like(x, (kb, m, width), jnp.uint8 if storage == "int4" else jnp.int8),
@@ -181,7 +192,7 @@ def matmul_quantizing(
                 pl.BlockSpec((kb, bm, width), lambda i, j: (0, i, 0)),
                 pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
             ],
-            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=STAGES[storage]),
+            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
             cost_estimate=cost,
             interpret=interpret,
             name="matmul_quantizing",
@@ -278,7 +289,8 @@ def quantized_t_matmul(
     why = shape_error(m, kb * tile, n, storage, tile)
     if why:
         raise ValueError(f"quantized_t_matmul: {why}")
-    bm, bn = _tile(m, ROWS), _tile(n, COLUMNS)
+    bm, bn = _tile(m, ROWS), _tile(n, _columns(dy.dtype))
+    stages = _stages(bm * (width + 4 + bn * dy.dtype.itemsize))  # a stage loads codes, scales and dy's tile
     out = result_like(dy, (kb * tile, n), out_dtype)
     cost = pl.CostEstimate(  # each program reads its tile column's codes and scales and its columns of dy
         flops=t_matmul_flops([codes.shape, scales.shape, dy.shape], out.shape), transcendentals=0,
@@ -297,7 +309,7 @@ def quantized_t_matmul(
                 pl.BlockSpec((m, bn), lambda j, c: (0, c)),
             ],
             out_specs=pl.BlockSpec((tile, bn), lambda j, c: (j, c)),
-            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=STAGES[storage]),
+            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
             cost_estimate=cost,
             interpret=interpret,
             name="quantized_t_matmul",

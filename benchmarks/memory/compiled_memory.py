@@ -24,7 +24,9 @@ input; approximate dx); ``remat-int4`` (int4 inside blocks remat'd with
 ``bsr_jax.remat_policy()``); ``int4-rows`` (``int4`` with blocks of 1 x 128: one scale per 128
 values of a row, lane-dense as blocks on TPU); ``int8-row`` and ``int4-row`` (every residual with
 one scale per token row, ``block="row"``: not ResNet); ``int4-nolean`` and ``int4-row-nolean`` (ViT and
-the LM: the same storage with compress_model's ``lean=False``, attention keeping its probabilities); the settings of ``presets.MEASURED``
+the LM: the same storage with compress_model's ``lean=False``, attention keeping its probabilities); ``int8-fused`` and
+``int4-fused`` (every residual in 1 x 128 blocks through ``backend="fused"``: the forward GEMM writes the codes, dW's
+reads them; ResMLP's Affine/LayerScale residuals take the unfused path); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
 average-pooled 2x2, the conv paper's method).
 
@@ -50,6 +52,7 @@ import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
 from bsr_jax import Pooling, Pruning, Rule
+from bsr_jax.backends.dispatch import ENV_VAR  # noqa: E402
 from bsr_jax.rewrite import presets  # noqa: E402
 from bsr_jax.measure.compiled import DEVICELESS_TARGETS  # noqa: E402
 from benchmarks.memory.models import remat_blocks  # noqa: E402
@@ -60,7 +63,7 @@ from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
 SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "int8-row", "int4-row", "int4-nolean", "int4-row-nolean", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
-            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4")
+            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4", "int8-fused", "int4-fused")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
@@ -68,6 +71,9 @@ INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
 # One scale per token row (block="row"): the codes XLA:GPU's dW GEMM reads as stored (docs/RESULTS.md 14.1).
 TOKEN_ROWS = {"int8-row": Pruning(0.0, block="row", storage_dtype="int8"), "int4-row": Pruning(0.0, block="row", storage_dtype="int4")}
+# The 1 x 128 formats through backend="fused": codes written by the forward GEMM, read by dW's
+# (bsr_jax.backends.fused; on TPU the unfused path, the same codes).
+FUSED = {"int8-fused": Pruning(0.0, block=(1, 128), storage_dtype="int8"), "int4-fused": INT4_ROWS}
 # int4 with approximate dx (bsr_jax.ops.dx): ResMLP's GELU input, a compress_model'd model's every
 # recognised norm, activation and attention input (compress_model(dx=...)) stored in int8 / int4.
 DX_SETTINGS = {"int4-dx8": "int8", "int4-dx4": "int4"}
@@ -87,19 +93,30 @@ REMAT_POLICIES = {
 
 def _resmlp(setting: str):
     pruning = ({"topk": TOPK, "topk-all": TOPK, "topk-wide": TOPK_WIDE, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4,
-                "int4-dx8": INT4, "int4-dx4": INT4, **TOKEN_ROWS}.get(setting) or PRESET_SETTINGS.get(setting))  # fmt: skip
+                "int4-dx8": INT4, "int4-dx4": INT4, **TOKEN_ROWS, **FUSED}.get(setting) or PRESET_SETTINGS.get(setting))  # fmt: skip
     if setting in ("lean", "pool2") or setting.endswith("-nolean"):
         return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
     remat = setting.startswith("remat")
     policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
-    every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4", "int4-dx8", "int4-dx4", *TOKEN_ROWS) or setting in PRESET_SETTINGS
+    every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4", "int4-dx8", "int4-dx4", *TOKEN_ROWS, *FUSED) or setting in PRESET_SETTINGS
     affine, layerscale = train_models.scale_shift_defs(pruning if every_residual else None)
     model = train_models.ResMLP(
-        num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
+        num_classes=10, patch_size=4, dense=train_models.dense_def(pruning, backend="fused" if setting in FUSED else None), stem_dense=train_models.dense_def(),
         head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, remat=remat, remat_policy=policy,
         dx=DX_SETTINGS.get(setting), **train_models.PRESETS["s12"],
     )
     return model, (128, 32, 32, 3), 10, contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _backend(name: str):
+    """compress_model's layers take the backend of ``$BSR_JAX_BACKEND`` when traced."""
+    before = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = name
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV_VAR) if before is None else os.environ.__setitem__(ENV_VAR, before)
 
 
 def _third_party(name: str, setting: str):
@@ -113,13 +130,13 @@ def _third_party(name: str, setting: str):
         model, shape, stand_in = tpm.lm(c, dtype=jnp.bfloat16), (c.batch, c.length), "lm"
     rules = {"topk": [Rule("*", TOPK)], "topk-wide": [Rule("*", TOPK_WIDE)], "int4": [Rule("*", INT4)], "int4-rows": [Rule("*", INT4_ROWS)], "remat-int4": [Rule("*", INT4)],
              "lean": [Rule("*", None)], "int4-dx8": [Rule("*", INT4)], "int4-dx4": [Rule("*", INT4)],
-             **{name: [Rule("*", pruning)] for name, pruning in TOKEN_ROWS.items()}}
+             **{name: [Rule("*", pruning)] for name, pruning in (TOKEN_ROWS | FUSED).items()}}
     # "-nolean": the same storage with compress_model's lean neighbours off (attention keeps its probabilities).
     nolean = setting.endswith("-nolean")
     rules |= {f"{name}-nolean": rules[name] for name in ("int4", "int4-row")}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting), lean=not nolean)
-    context = contextlib.nullcontext()
+    context = _backend("fused") if setting in FUSED else contextlib.nullcontext()
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
         context = remat_blocks(stand_in, policy)
@@ -132,7 +149,7 @@ def _resnet50(setting: str):
     # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
-    if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS) or setting.endswith("-nolean") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
+    if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS, *FUSED) or setting.endswith("-nolean") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
         return None  # ResMLP/transformer settings: convolutions quantize in Pooling's own blocks
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
