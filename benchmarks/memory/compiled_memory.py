@@ -26,7 +26,7 @@ values of a row, lane-dense as blocks on TPU); ``int8-row`` and ``int4-row`` (ev
 one scale per token row, ``block="row"``: not ResNet); ``int4-nolean`` and ``int4-row-nolean`` (ViT and
 the LM: the same storage with compress_model's ``lean=False``, attention keeping its probabilities); ``int8-fused`` and
 ``int4-fused`` (every residual in 1 x 128 blocks through ``backend="fused"``: the forward GEMM writes the codes, dW's
-reads them; ResMLP's Affine/LayerScale residuals take the unfused path); the settings of ``presets.MEASURED``
+reads them; ResMLP's Affine/LayerScale residuals take the unfused path; ``int4-fused-nolean`` without lean neighbours); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
 average-pooled 2x2, the conv paper's method).
 
@@ -63,7 +63,7 @@ from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
 SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "int8-row", "int4-row", "int4-nolean", "int4-row-nolean", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
-            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4", "int8-fused", "int4-fused")
+            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4", "int8-fused", "int4-fused", "int4-fused-nolean")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
@@ -133,10 +133,10 @@ def _third_party(name: str, setting: str):
              **{name: [Rule("*", pruning)] for name, pruning in (TOKEN_ROWS | FUSED).items()}}
     # "-nolean": the same storage with compress_model's lean neighbours off (attention keeps its probabilities).
     nolean = setting.endswith("-nolean")
-    rules |= {f"{name}-nolean": rules[name] for name in ("int4", "int4-row")}
+    rules |= {f"{name}-nolean": rules[name] for name in ("int4", "int4-row", "int4-fused")}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting), lean=not nolean)
-    context = _backend("fused") if setting in FUSED else contextlib.nullcontext()
+    context = _backend("fused") if setting.removesuffix("-nolean") in FUSED else contextlib.nullcontext()
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
         context = remat_blocks(stand_in, policy)
