@@ -109,7 +109,7 @@ def _resmlp(setting: str):
 
 
 @contextlib.contextmanager
-def _backend(name: str):
+def backend_env(name: str):
     """compress_model's layers take the backend of ``$BSR_JAX_BACKEND`` when traced."""
     before = os.environ.get(ENV_VAR)
     os.environ[ENV_VAR] = name
@@ -136,7 +136,7 @@ def _third_party(name: str, setting: str):
     rules |= {f"{name}-nolean": rules[name] for name in ("int4", "int4-row", "int4-fused")}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting), lean=not nolean)
-    context = _backend("fused") if setting.removesuffix("-nolean") in FUSED else contextlib.nullcontext()
+    context = backend_env("fused") if setting.removesuffix("-nolean") in FUSED else contextlib.nullcontext()
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
         context = remat_blocks(stand_in, policy)

@@ -111,11 +111,11 @@ def no_memory_limit(lifted: bool):
         compiled._GPU_OPTIONS = original
 
 
-def step_args(config: LMConfig):
+def step_args(config: LMConfig, model: nn.Module | None = None):
     """``train.lm``'s step without its data-parallel wrapper: ``(params, opt_state, tokens) ->
-    (params, opt_state, loss)`` and its abstract arguments."""
+    (params, opt_state, loss)`` and its abstract arguments; ``model``: the config's unless given."""
     shape = model_shape(config)
-    model = create_model(config, shape)
+    model = model or create_model(config, shape)
     loss_fn = loss_function(model, config)
     tx = create_optimizer(config, learning_rate_schedule(config))
     init_tokens = jnp.zeros((1, shape.seq_len), jnp.int32)
