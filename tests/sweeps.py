@@ -26,6 +26,11 @@ DEFAULT_CASES: dict[str, tuple[str, ...]] = {
     "tests/bsr_jax/test_pallas_backend.py::test_pallas_dw_matches_reference": ("float32-shape0-*", "bfloat16-shape1-*", "*-int8"),
     "tests/pallas_kernels/test_bsr_matmul.py::test_matches_reference_and_masked_dense": ("*-float32", "one block-bfloat16"),
     "tests/pallas_kernels/test_bsr_t_matmul.py::test_matches_reference_and_masked_dense": ("*-float32", "one block-bfloat16"),
+    # The fused kernels interpreted: each storage and tile once, each dtype once.
+    "tests/pallas_kernels/test_quantized_matmul.py::test_codes_are_bsr_jaxs_blocks_and_products_match": (
+        "int8-128-float32", "int4-128-bfloat16", "int4-64-float32"),
+    "tests/bsr_jax/test_fused.py::test_fused_gives_the_unfused_gradients_and_the_dense_forward": (
+        "int8-256-float32", "int4-256-bfloat16", "int8-64-bfloat16"),
     "tests/bsr_jax/test_elementwise.py::test_scale_shift_grads_match_independent_reference": (
         "l2-global-16", "l1-column-8x4-padded-bf16", "int8-storage", "stochastic-column-int8"),
     "tests/bsr_jax/test_format.py::test_global_selection_keeps_topk_blocks": ("shape0-*", "shape2-block2-l1"),
