@@ -1,16 +1,17 @@
 """The ``fused`` backend: compression inside the layer's GEMMs (``pallas_kernels.quantized_matmul``).
 
 For int8 / int4 storage of every block of 1 x 128 (``Pruning(0.0, block=(1, 128),
-storage_dtype=...)``, round to nearest; clamped to 1 x K for narrower x), the forward GEMM writes x's codes and scales as it reads x,
-and the weight-gradient GEMM dequantizes them in registers: no pass over x of their own. The
+storage_dtype=...)``, round to nearest), the forward GEMM writes x's codes and scales as it reads
+x, and the weight-gradient GEMM dequantizes them in registers: no pass over x of their own. The
 stored residual is the same ``BlockSparse`` as the unfused path's, code for code.
 
 Opt in with ``backend="fused"`` (or ``$BSR_JAX_BACKEND=fused``). Lowered for a GPU the kernels
 compile with Triton; for the CPU they run in the Pallas interpreter (for tests: slow); for a TPU,
-and for layers the kernels do not take (``shape_error``: K a multiple of 128 or a power of two below it, M and N of 16; other
-storage), the layer runs the unfused path of the platform's default backend, which stores the same
-codes. The forward GEMM accumulates in f32 as XLA's does but in its own order: y equals the dense
-layer's up to f32 rounding, not bit for bit. Never run on a GPU yet: deviceless compiles only.
+and for layers the kernels do not take (``why_not``: other storage; K not a multiple of 128, or
+below it and not a power of two from 16, or int4 below it; M or N not a multiple of 16), the layer
+runs the unfused path of the platform's default backend, which stores the same codes. The forward
+GEMM accumulates in f32 as XLA's does but in its own order: y equals the dense layer's up to f32
+rounding, not bit for bit. Never run on a GPU yet: deviceless compiles only.
 """
 
 from __future__ import annotations

@@ -67,11 +67,10 @@ def _pruned_dot_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
     contracted = len(config.dims[0][0])
     x2 = merge_contracted(x, contracted)
-    w2 = w.reshape(x2.shape[-1], -1)
-    if config.backend == "fused" and fused.why_not(config.pruning, x2.reshape(-1, x2.shape[-1]), w2) is None:
-        x2 = x2.reshape(-1, x2.shape[-1])
-        unfused = lambda x2, w2: (lax.dot_general(x2, w2, linear_dims(2), precision=config.precision), config.pruning.compress(x2))  # noqa: E731
-        y2, blocks = fused.forward(x2, w2, config.pruning, config.precision, unfused)
+    rows, w2 = x2.reshape(-1, x2.shape[-1]), w.reshape(x2.shape[-1], -1)  # the (M, K) @ (K, N) the kernels see
+    if config.backend == "fused" and fused.why_not(config.pruning, rows, w2) is None:
+        unfused = lambda x, w: (lax.dot_general(x, w, linear_dims(2), precision=config.precision), config.pruning.compress(x))  # noqa: E731
+        y2, blocks = fused.forward(rows, w2, config.pruning, config.precision, unfused)
         y, blocks = barriers.materialize(y2.reshape(*x.shape[: x.ndim - contracted], *w.shape[contracted:]), blocks)
         return y, (blocks, w)
     y, blocks = barriers.materialize(_dot(x, w, config), config.pruning.compress(x2, key))
