@@ -11,6 +11,7 @@ output and log-sum-exp already); ``+chunk`` adds ``--loss-chunk 1024``. The mode
 T 2048, B 8, bf16, deviceless H100 with Triton GEMMs where XLA tiles them.
 
     python -m benchmarks.memory.fused_lm          # ~20 s a row; resumes from the JSON
+    python -m benchmarks.memory.fused_lm --live int4-fused-nolean+chunk   # what is live at its peak
 
 Writes docs/RESULTS.md section 14.2 (JSON: benchmarks/results/fused_lm.json).
 """
@@ -18,10 +19,12 @@ Writes docs/RESULTS.md section 14.2 (JSON: benchmarks/results/fused_lm.json).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -60,6 +63,21 @@ def measure(setting: str) -> dict:
     return dict(setting=setting, peak_mib=r.peak / MIB, modelled_seconds=r.modelled_seconds, triton_gemm=r.triton_gemm)
 
 
+def live_at_peak(setting: str, top: int = 12) -> str:
+    """The arrays live at the setting's peak, summed over layers (layer_3/attn/v -> layer_*/attn/v)."""
+    with backend_env("fused") if "fused" in setting else contextlib.nullcontext():
+        config, model = build(setting)
+        step, args, _ = step_args(config, model)
+        r = bsr_jax.compiled_memory(step, *args, target="h100", donate_argnums=(0, 1), breakdown=True)
+    mib, count = collections.Counter(), collections.Counter()
+    for buffer in r.live_at_peak:
+        op = re.sub(r"\{\d+\}", "", re.sub(r"layer_\d+", "layer_*", buffer.op))
+        mib[op] += buffer.bytes / MIB
+        count[op] += 1
+    lines = [f"{setting}: peak {r.peak / MIB:.0f} MiB, live at the peak {r.live_peak / MIB:.0f} MiB", "| MiB | arrays | op |", "|---:|---:|---|"]
+    return "\n".join(lines + [f"| {v:.0f} | {count[op]} | {op} |" for op, v in mib.most_common(top)])
+
+
 def table(rows: list[dict]) -> str:
     by = {r["setting"]: r for r in rows}
     lines = ["| gpt2-small, flash attention, H100 | peak MiB | vs dense | modelled ms | vs dense |", "|---|---:|---:|---:|---:|"]
@@ -75,7 +93,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     parser.add_argument("--out", default="benchmarks/results/fused_lm.json")
+    parser.add_argument("--live", choices=SETTINGS, help="print what is live at this setting's peak instead")
     args = parser.parse_args(argv)
+    if args.live:
+        print(live_at_peak(args.live))
+        return
     rows = json.load(open(args.out)) if os.path.exists(args.out) else []
     meta = run_metadata()
     for setting in args.settings:
