@@ -55,7 +55,8 @@ def test_option_lists_match_the_library_and_the_models():
     assert set(config_lib.SELECTIONS) == set(bsr_format.SELECTIONS)
     assert set(config_lib.ROUNDINGS) == set(bsr_format.ROUNDINGS)
     assert set(config_lib.STOCHASTIC_ROUNDING_DTYPES) == set(bsr_format.STOCHASTIC_ROUNDING_DTYPES)
-    assert set(config_lib.BACKENDS) == set(backends.BACKENDS)
+    # "fused" runs 1 x 128 blocks only, which the trainers' square --block cannot ask for.
+    assert set(config_lib.BACKENDS) == set(backends.BACKENDS) - {"fused"}
 
 
 def test_the_cli_modules_do_not_import_jax():
