@@ -116,7 +116,10 @@ def backend_env(name: str):
     try:
         yield
     finally:
-        os.environ.pop(ENV_VAR) if before is None else os.environ.__setitem__(ENV_VAR, before)
+        if before is None:
+            del os.environ[ENV_VAR]
+        else:
+            os.environ[ENV_VAR] = before
 
 
 def _third_party(name: str, setting: str):

@@ -55,20 +55,22 @@ def build(setting: str):
     return config, bsr_jax.compress_model(model, rules, lean=config.lean)
 
 
-def measure(setting: str) -> dict:
+def compiled(setting: str, breakdown: bool = False) -> bsr_jax.CompiledStep:
+    """The setting's whole step compiled for H100 (the fused settings through ``backend="fused"``)."""
     with backend_env("fused") if "fused" in setting else contextlib.nullcontext():
         config, model = build(setting)
         step, args, _ = step_args(config, model)
-        r = bsr_jax.compiled_memory(step, *args, target="h100", donate_argnums=(0, 1))
-    return dict(setting=setting, peak_mib=r.peak / MIB, modelled_seconds=r.modelled_seconds, triton_gemm=r.triton_gemm)
+        return bsr_jax.compiled_memory(step, *args, target="h100", donate_argnums=(0, 1), breakdown=breakdown)
+
+
+def measure(setting: str) -> dict:
+    r = compiled(setting)
+    return {"setting": setting, "peak_mib": r.peak / MIB, "modelled_seconds": r.modelled_seconds, "triton_gemm": r.triton_gemm}
 
 
 def live_at_peak(setting: str, top: int = 12) -> str:
     """The arrays live at the setting's peak, summed over layers (layer_3/attn/v -> layer_*/attn/v)."""
-    with backend_env("fused") if "fused" in setting else contextlib.nullcontext():
-        config, model = build(setting)
-        step, args, _ = step_args(config, model)
-        r = bsr_jax.compiled_memory(step, *args, target="h100", donate_argnums=(0, 1), breakdown=True)
+    r = compiled(setting, breakdown=True)
     mib, count = collections.Counter(), collections.Counter()
     for buffer in r.live_at_peak:
         op = re.sub(r"\{\d+\}", "", re.sub(r"layer_\d+", "layer_*", buffer.op))
@@ -78,14 +80,18 @@ def live_at_peak(setting: str, top: int = 12) -> str:
     return "\n".join(lines + [f"| {v:.0f} | {count[op]} | {op} |" for op, v in mib.most_common(top)])
 
 
+def _ratio(row: dict, dense: dict | None, key: str) -> str:
+    return f"{row[key] / dense[key]:.2f}" if dense else "-"
+
+
 def table(rows: list[dict]) -> str:
     by = {r["setting"]: r for r in rows}
     lines = ["| gpt2-small, flash attention, H100 | peak MiB | vs dense | modelled ms | vs dense |", "|---|---:|---:|---:|---:|"]
     for s in SETTINGS:
         if s in by:
             r, d = by[s], by.get("dense+chunk" if "+chunk" in s else "dense")
-            ratio = lambda k: f"{r[k] / d[k]:.2f}" if d else "-"  # noqa: E731
-            lines.append(f"| {s} | {r['peak_mib']:.0f} | {ratio('peak_mib')} | {r['modelled_seconds'] * 1e3:.2f} | {ratio('modelled_seconds')}x |")
+            lines.append(f"| {s} | {r['peak_mib']:.0f} | {_ratio(r, d, 'peak_mib')} | {r['modelled_seconds'] * 1e3:.2f} | "
+                         f"{_ratio(r, d, 'modelled_seconds')}x |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -98,7 +104,10 @@ def main(argv=None) -> None:
     if args.live:
         print(live_at_peak(args.live))
         return
-    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    rows = []
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            rows = json.load(f)
     meta = run_metadata()
     for setting in args.settings:
         if any(r["setting"] == setting for r in rows):

@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bsr_jax import Pruning  # noqa: E402
 from bsr_jax.measure import compiled, roofline  # noqa: E402
-from benchmarks.memory.compiled_memory import TOKEN_ROWS, step_args  # noqa: E402
+from benchmarks.memory.compiled_memory import FUSED, TOKEN_ROWS, step_args  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from train import models as train_models  # noqa: E402
 
@@ -41,9 +41,9 @@ FORMATS = {
     "int4-rows": Pruning(0.0, block=(1, 128), storage_dtype="int4"),
     **TOKEN_ROWS,
 }
-# The 1 x 128 formats through the fused backend: codes written by the forward GEMM, read by dW's.
-FUSED = {"int8-fused": "int8-rows", "int4-fused": "int4-rows"}
-FORMATS |= {name: FORMATS[rows] for name, rows in FUSED.items()}
+# The 1 x 128 formats through the fused backend (compiled_memory's): codes written by the forward
+# GEMM, read by dW's.
+FORMATS |= FUSED
 TRITON = {"auto": None, "on": True, "off": False}
 
 
