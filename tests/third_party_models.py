@@ -455,9 +455,11 @@ def lm_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.sum(nll * weights) / jnp.sum(weights)
 
 
+@functools.partial(jax.jit, static_argnames=("seed", "scale"))
 def jitter(params, seed: int = 0, scale: float = 0.05):
     """``params`` plus small normal noise on every leaf: the published inits zero the heads (and
-    set LayerNorm scales to one), which would make most gradients zero or symmetric in tests."""
+    set LayerNorm scales to one), which would make most gradients zero or symmetric in tests.
+    Jitted: one compile instead of one per leaf shape (XLA:CPU compiles each eager op)."""
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     noisy = [p + scale * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys)]

@@ -28,7 +28,9 @@ the LM: the same storage with compress_model's ``lean=False``, attention keeping
 ``int4-fused`` (every residual in 1 x 128 blocks through ``backend="fused"``: the forward GEMM writes the codes, dW's
 reads them; ResMLP's Affine/LayerScale residuals take the unfused path; ``int4-fused-nolean`` without lean neighbours); the settings of ``presets.MEASURED``
 (ResMLP only: ``all-s0-b16-int8`` ...: every residual under that Pruning); ``pool2`` (ResNet-50 only: every convolution keeps its input
-average-pooled 2x2, the conv paper's method).
+average-pooled 2x2, the conv paper's method); ``microbatch-2`` and ``microbatch-4`` (the dense step accumulating its gradient
+over 2 / 4 slices of the batch by ``lax.scan``, then one update: exact; not ResNet-50, whose BatchNorm statistics would have
+to run through the slices).
 
 Writes docs/RESULTS.md sections 10 and 10.1.
 """
@@ -63,7 +65,7 @@ from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
 SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "int8-row", "int4-row", "int4-nolean", "int4-row-nolean", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
-            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4", "int8-fused", "int4-fused", "int4-fused-nolean")
+            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4", "int8-fused", "int4-fused", "int4-fused-nolean", "microbatch-2", "microbatch-4")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
@@ -154,6 +156,8 @@ def _resnet50(setting: str):
                    "pool2": Pooling(factor=2)}.get(setting)
     if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS, *FUSED) or setting.endswith("-nolean") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
         return None  # ResMLP/transformer settings: convolutions quantize in Pooling's own blocks
+    if setting in MICROBATCHES:
+        return None  # BatchNorm's statistics would have to run through the micro-batches: not measured
     block = train_resnet.BottleneckResNetBlock
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
@@ -165,14 +169,19 @@ def _resnet50(setting: str):
     return model, (64, 224, 224, 3), 1000, contextlib.nullcontext()
 
 
+# Gradient accumulation (exact): the dense step over k slices of the batch, one optimizer update.
+MICROBATCHES = {"microbatch-2": 2, "microbatch-4": 4}
 MODELS = {"resmlp-s12": _resmlp, "resnet50": _resnet50, "vit-b16": functools.partial(_third_party, "vit-b16"), "lm-12x768": functools.partial(_third_party, "lm-12x768")}
 
 
-def step_args(model, shape, classes):
+def step_args(model, shape, classes, microbatches: int = 1):
     """The adamw training step of ``model`` and its abstract arguments (variables, opt state, x, y).
 
     Only ``variables["params"]`` is trained; other collections (BatchNorm's ``batch_stats``) are
-    updated by the forward pass and returned, as a training loop would."""
+    updated by the forward pass and returned, as a training loop would. ``microbatches`` > 1: the
+    gradient is accumulated over that many slices of the batch, one at a time
+    (``bsr_jax.accumulated_value_and_grad``), before the one update; models without other
+    collections only."""
     tokens = len(shape) == 2
     x = jax.ShapeDtypeStruct(shape, jnp.int32 if tokens else jnp.float32)
     y = jax.ShapeDtypeStruct(shape if tokens else shape[:1], jnp.int32)
@@ -189,7 +198,17 @@ def step_args(model, shape, classes):
             logits, new_stats = model.apply({"params": params} | stats, x, rngs={"pruning": jax.random.key(2)}, mutable=list(stats))
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean(), new_stats
 
-        (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        def sliced_loss(params, x, y):
+            if stats:
+                raise ValueError("micro-batching a model with collections besides params (BatchNorm statistics) is not measured")
+            logits = model.apply({"params": params}, x, rngs={"pruning": jax.random.key(2)})
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+        if microbatches == 1:
+            (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        else:
+            value, grads = bsr_jax.accumulated_value_and_grad(sliced_loss, microbatches)(params, x, y)
+            new_stats = stats
         updates, opt = tx.update(grads, opt, params)
         return {"params": optax.apply_updates(params, updates)} | new_stats, opt, value
 
@@ -202,7 +221,7 @@ def measure(name: str, setting: str, target: str, triton_gemm: bool | None = Non
         return None
     model, shape, classes, context = built
     with context:
-        step, args = step_args(model, shape, classes)
+        step, args = step_args(model, shape, classes, MICROBATCHES.get(setting, 1))
         r = bsr_jax.compiled_memory(step, *args, target=target, donate_argnums=(0, 1), breakdown=True, triton_gemm=triton_gemm)
     # Summed over the repeated blocks, so the table shows what each block keeps in all.
     live: dict[str, float] = {}

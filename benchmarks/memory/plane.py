@@ -2,7 +2,7 @@
 each as a fraction of the dense step's on the same target, one panel per model and target.
 
 Reads what other benchmarks wrote (nothing is compiled here): ``compiled_memory.json`` (dense,
-JAX's remat policies, compression; docs/RESULTS.md section 10), ``plan_table.json`` (the plans at
+JAX's remat policies, micro-batching, compression; docs/RESULTS.md section 10), ``plan_table.json`` (the plans at
 0.3 / 0.5 / 0.7 of dense's peak, section 12) and ``device_check-h100.json`` (the same steps run on
 a real H100, section 13: hollow markers, measured time and allocator peak over dense's). Settings
 are told apart by marker and colour in one legend, so no label overlaps another.
@@ -34,6 +34,8 @@ STYLE = {
     "int4-dx8": ("int4 + int8 dx (approximate dx)", "darkred", "^"),
     "topk": ("top-k 0.7, block 16 (the paper)", "tab:brown", "x"),
     "pool2": ("conv inputs pooled 2x2", "tab:pink", "P"),
+    "microbatch-2": ("micro-batching, k = 2 (exact)", "tab:gray", "<"),
+    "microbatch-4": ("micro-batching, k = 4 (exact)", "dimgray", ">"),
 }
 PLAN_STYLE = ("bsr_jax.plan at budget 0.3 / 0.5 / 0.7", "tab:green", "*")
 REAL = "hollow: the same step on a real H100 (measured time, allocator peak)"

@@ -27,7 +27,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)  # float reassociation only: recomputed forward
 def _model(name):
     c = SMALL
     model, x = getattr(tpm, name)(c), tpm.tokens(c)
-    return model, x, tpm.jitter(model.init(jax.random.key(0), x))
+    return model, x, tpm.jitter(jax.jit(model.init)(jax.random.key(0), x))
 
 
 def _loss(model):

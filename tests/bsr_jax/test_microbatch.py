@@ -81,6 +81,7 @@ def test_nnx_models_are_refused_before_anything_compiles():
         bsr_jax.plan(Tiny(nnx.Rngs(0)), lambda m, x: m(x).mean(), X, optimizer=optax.adamw(1e-3), budget=0.5, microbatches=2, progress=False)
 
 
+@pytest.mark.slow  # 11 s of compiles; micro-batched plans hold by default in test_a_micro_batched_plan_measures_micro_batched_steps
 def test_auto_falls_back_to_the_fewest_micro_batches_whose_dense_step_fits():
     """Blocks may only be kept: at 0.7 of the whole batch's dense peak nothing fits at one
     micro-batch, and "auto" returns the dense step at two, as plan(microbatches=2) measures it."""

@@ -157,6 +157,7 @@ def test_plan_fits_its_budget_and_keeps_the_model(target, compiled):
     assert "remat per block" in str(plan) and "blocks_0" in str(plan)
 
 
+@pytest.mark.slow  # 17 s; the table's own claims hold in test_table, the plan's budget in test_plan_fits_its_budget_and_keeps_the_model
 def test_the_plan_prints_its_per_layer_table_which_applies_as_is(compiled):
     """Issue 43: ``Plan.table`` is the chosen step's resolved table (traced, not compiled)."""
     net = Net()
@@ -208,6 +209,7 @@ class TinyLM(nn.Module):
         return nn.Dense(4096, use_bias=False, name="head")(nn.LayerNorm()(x))
 
 
+@pytest.mark.slow  # 18 s of compiles; the chunked loss's own claims hold in test_losses and test_head_loss
 def test_a_chunked_loss_is_chosen_where_only_it_fits():
     """Measured: dense 78 MiB, remat per block 75 MiB, with the chunked loss 46-50 MiB (H100)."""
     tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32)
@@ -223,6 +225,7 @@ def test_a_chunked_loss_is_chosen_where_only_it_fits():
         planner.plan(TinyLM(), _labels_loss, tokens, tokens, **args, loss_chunk=0)
 
 
+@pytest.mark.slow  # 10 s of compiles at another batch shape
 def test_a_shared_cache_keeps_other_batch_shapes_apart(compiled):
     half = tuple(jax.ShapeDtypeStruct((a.shape[0] // 2, *a.shape[1:]), a.dtype) for a in BATCH)
     few = FEW | dict(verify=0)  # the uniform candidates only: the cache's keys are what is tested
@@ -463,6 +466,7 @@ def nnx_plan(nnx_compiled):
     return net, before, plan
 
 
+@pytest.mark.slow  # 21 s of compiles; NNX candidates (clones, the user's params and forward) hold by default in the tests above
 def test_nnx_plan_fits_its_budget_and_keeps_the_model(nnx_plan):
     net, before, plan = nnx_plan
     assert plan.peak <= plan.budget == int(0.6 * plan.dense.peak)
@@ -479,6 +483,7 @@ def test_nnx_plan_fits_its_budget_and_keeps_the_model(nnx_plan):
     chex.assert_trees_all_close(nnx.grad(_nnx_loss)(plan.model, x, y), nnx.grad(_nnx_loss)(net, x, y), rtol=1e-6)
 
 
+@pytest.mark.slow  # shares test_nnx_plan_fits_its_budget_and_keeps_the_model's compiles
 @pytest.mark.usefixtures("nnx_plan")  # its compiles, cached
 def test_nnx_an_infeasible_budget_names_the_smallest_peak(nnx_compiled):
     with pytest.raises(ValueError, match=r"no candidate fits the budget of 0 MiB on h100; the smallest compiled peak was [\d,]+ MiB"):

@@ -134,6 +134,7 @@ def test_nnx_layers_are_named_once_however_often_routed():
     assert names == tuple(f"{layer}:{role}" for layer in layers for role in ("input", "output"))
 
 
+@pytest.mark.slow  # 12 s of compiles; name_policy's choice per name and the named planner options hold by default below
 def test_policies_keeping_some_outputs_are_exact_and_recomputing_all_peaks_below_keeping_all():
     variables, expected = _plain()
     rules = [Rule("*", None)]

@@ -288,6 +288,7 @@ def test_resume_keeps_settings_refuses_changes_and_knows_when_it_is_done(smoke_r
     assert (saved["sparsity"], saved["steps"]) == (0.7, 5)
 
 
+@pytest.mark.slow  # 9 s; a damaged metrics file's line-skipping holds by default in test_run_files
 def test_resume_skips_a_metrics_line_cut_off_by_a_crash_and_says_so(smoke_run, cifar_image_folder, tmp_path):
     _, finished = smoke_run
     workdir = tmp_path / "run"
@@ -342,6 +343,7 @@ def test_plot_draws_several_runs_into_the_first_workdir(smoke_run, tmp_path):
     assert plot.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")]) == 2
 
 
+@pytest.mark.slow  # 9 s; --remat's gradients and smaller residuals hold by default in test_models
 def test_remat_smoke_run_trains_a_step_keeping_less_than_dense(cifar_image_folder, tmp_path):
     workdir = tmp_path / "run"
     flags = ["--data-dir", str(cifar_image_folder), "--cache-dir", str(cifar_image_folder / "cache"), "--workdir", str(workdir),

@@ -100,23 +100,24 @@ def test_an_image_size_the_stored_images_cannot_give_is_refused(flags, advice, c
     assert line.startswith(f"train.cifar: {advice}")
 
 
-def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
+# A missing directory is refused as the README's archive name is: -m slow.
+@pytest.mark.parametrize("name", ["empty", "missing", "cifar-10-python.tar.gz"])
+def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path, name):
+    data_dir = tmp_path / name
     download = "; without --data-dir it is downloaded."
-    for data_dir, cause in ((empty, f"No cifar10 'train' data found in --data-dir {empty}{download}"),
-                            (tmp_path / "missing", f"No cifar10 'train' data: --data-dir {tmp_path / 'missing'} does not exist{download}"),
-                            # the README's first command, without the archive: a file name, not a directory
-                            (tmp_path / "cifar-10-python.tar.gz", f"No cifar10 'train' data: --data-dir {tmp_path / 'cifar-10-python.tar.gz'} "
-                                                                  f"does not exist{download}")):  # fmt: skip
-        done = run_cli("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"), home=tmp_path)
-        line = refused(done, lines=3)
-        assert line == f"train.cifar: {cause}"
-        lines = ours(done.stderr)
-        assert len(lines) == 3 and all(len(n.replace(str(data_dir), "")) <= 120 for n in lines), lines  # short, but for paths
-        assert lines[1].startswith(f"  Looked in {data_dir}") and lines[2].startswith("  Pass --data-dir cifar-10-python.tar.gz ")
-        if data_dir != empty:  # a missing path is not searched as a directory
-            assert lines[1] == f"  Looked in {data_dir} (does not exist)."
+    if name == "empty":
+        data_dir.mkdir()
+        cause = f"No cifar10 'train' data found in --data-dir {data_dir}{download}"
+    else:  # a missing path; the README's first command without the archive gives a file name, not a directory
+        cause = f"No cifar10 'train' data: --data-dir {data_dir} does not exist{download}"
+    done = run_cli("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"), home=tmp_path)
+    line = refused(done, lines=3)
+    assert line == f"train.cifar: {cause}"
+    lines = ours(done.stderr)
+    assert len(lines) == 3 and all(len(n.replace(str(data_dir), "")) <= 120 for n in lines), lines  # short, but for paths
+    assert lines[1].startswith(f"  Looked in {data_dir}") and lines[2].startswith("  Pass --data-dir cifar-10-python.tar.gz ")
+    if name != "empty":  # a missing path is not searched as a directory
+        assert lines[1] == f"  Looked in {data_dir} (does not exist)."
 
 
 def test_a_corrupt_image_names_the_file(tmp_path):

@@ -20,6 +20,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests import host_devices
 
 DEVICES = 4
@@ -44,7 +46,7 @@ def _scan_outputs(jaxpr) -> list[tuple[tuple[int, ...], str]]:
     return shapes
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -57,7 +59,8 @@ def main() -> None:
     # 2 windows of 12 tokens per device: 24 rows, unlike any kernel dimension (32, 704)
     tokens = {"tokens": jax.random.randint(jax.random.key(1), (8, 13), 0, 260)}
     seen = {}
-    for name, overrides in CASES.items():
+    for name in names:
+        overrides = CASES[name]
         config = LMConfig(model="cpu", dim=32, depth=2, heads=2, seq_len=12, batch_size=8, vocab_size=260, dtype="bfloat16", scan=True,
                           fsdp=True, **overrides)  # fmt: skip
         shape = lm_loop.model_shape(config, config.vocab_size)
@@ -81,14 +84,17 @@ def main() -> None:
     print(json.dumps(seen))
 
 
-def test_gathering_layer_by_layer_gives_the_gradients_of_gathering_all_and_keeps_no_gathered_kernel():
+# Plain and int4 (the lean pass's known cost) by default; the rest (12 s more) with -m slow.
+@pytest.mark.parametrize("names", [("plain", "int4"), pytest.param(("int4-not-lean", "remat-dots-attention"), marks=pytest.mark.slow)],
+                         ids=["plain,int4", "not-lean,remat"])  # fmt: skip
+def test_gathering_layer_by_layer_gives_the_gradients_of_gathering_all_and_keeps_no_gathered_kernel(names):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "XLA_FLAGS": host_devices.xla_flags(DEVICES) + " --xla_allow_excess_precision=false", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    done = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run([sys.executable, __file__, *names], env=env, cwd=root, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(seen) == set(CASES)
+    assert set(seen) == set(names)
     for name, case in seen.items():
         whole, by_layer = case["losses"]
         assert whole == by_layer, name
@@ -104,4 +110,4 @@ def test_gathering_layer_by_layer_gives_the_gradients_of_gathering_all_and_keeps
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or list(CASES))

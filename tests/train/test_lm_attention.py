@@ -90,6 +90,7 @@ def _losses(workdir) -> list[float]:
     return [r["loss"] for r in run_dir.read_records(str(workdir)) if r["kind"] == "train"]
 
 
+@pytest.mark.slow  # 11 s of CLI runs; flash attention's equality holds by default in the function-level test above
 def test_cli_flash_steps_give_the_hand_written_losses(cache):
     """A few real steps of ``python -m train.lm`` with grouped-query attention: the same losses
     under --attention flash as under --attention xla, to f32 rounding; config.json records both flags."""
@@ -108,6 +109,7 @@ def test_kv_heads_must_divide_heads(cache, capsys):
     assert "--attention" in one_line_error(capsys, [*TINY_FLAGS, "--attention", "splash", "--workdir", workdir])
 
 
+@pytest.mark.slow  # 9 s of CLI runs; resuming across settings holds by default in test_loop and test_cli
 def test_a_run_from_before_the_flags_resumes_with_their_defaults(cache):
     """config.json written without ``attention`` and ``kv_heads`` loads with the defaults (xla,
     multi-head attention) and resumes; the resumed run writes them."""

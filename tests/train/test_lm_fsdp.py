@@ -70,6 +70,7 @@ def main(root: str) -> None:
     print(json.dumps({"replicated": losses(replicated), "fsdp": losses(resumed), **seen[os.path.join(resumed, "metrics.jsonl")]}))
 
 
+@pytest.mark.slow  # 20 s: a 4-device run in a child process; FSDP's sharded state holds by default in the 8-device compiles below and test_sharding
 def test_fsdp_shards_state_and_trains_what_replicated_trains(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "XLA_FLAGS": host_devices.xla_flags(DEVICES), "JAX_PLATFORMS": "cpu", "BSR_JAX_CACHE": str(tmp_path / "cache"),
