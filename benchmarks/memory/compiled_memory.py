@@ -189,25 +189,22 @@ def step_args(model, shape, classes, microbatches: int = 1):
     variables = jax.eval_shape(lambda: model.init({"params": jax.random.key(0), "pruning": jax.random.key(1)}, init_x))
     tx = optax.adamw(1e-3)
     opt = jax.eval_shape(tx.init, variables["params"])
+    if microbatches > 1 and set(variables) != {"params"}:
+        raise ValueError(f"microbatches={microbatches}: collections besides params ({sorted(set(variables) - {'params'})}) would have "
+                         "to run through the slices; not measured")
 
     def step(variables, opt, x, y):
         params = variables["params"]
         stats = {k: v for k, v in variables.items() if k != "params"}
 
-        def loss(params):
+        def loss(params, x, y):
             logits, new_stats = model.apply({"params": params} | stats, x, rngs={"pruning": jax.random.key(2)}, mutable=list(stats))
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean(), new_stats
 
-        def sliced_loss(params, x, y):
-            if stats:
-                raise ValueError("micro-batching a model with collections besides params (BatchNorm statistics) is not measured")
-            logits = model.apply({"params": params}, x, rngs={"pruning": jax.random.key(2)})
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
-
         if microbatches == 1:
-            (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        else:
-            value, grads = bsr_jax.accumulated_value_and_grad(sliced_loss, microbatches)(params, x, y)
+            (value, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params, x, y)
+        else:  # no collections besides params (checked above): nothing to carry between the slices
+            value, grads = bsr_jax.accumulated_value_and_grad(lambda p, x, y: loss(p, x, y)[0], microbatches)(params, x, y)
             new_stats = stats
         updates, opt = tx.update(grads, opt, params)
         return {"params": optax.apply_updates(params, updates)} | new_stats, opt, value

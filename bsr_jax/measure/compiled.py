@@ -175,8 +175,8 @@ class CompiledStep:
     ``optimal_seconds`` times the roofline's ratio of the program with its loops' trips to the
     program with each loop body once (1 without loops: a scanned model's layers or micro-batches
     are then counted as often as they run; approximate where XLA's model and the roofline weigh
-    the loop differently), the roofline's (``roofline_seconds``) on H100; None on the host. ``roofline_seconds`` is the per-kernel roofline of the optimized HLO with the target's
-    figures (``bsr_jax.measure.roofline``), on TPU too, where it checks the method against XLA's own model.
+    the loop differently), the roofline's (``roofline_seconds``) on H100; None on the host.
+    ``roofline_seconds`` is the per-kernel roofline of the optimized HLO with the target's figures (``bsr_jax.measure.roofline``), on TPU too, where it checks the method against XLA's own model.
     With a breakdown: ``kernels`` are the costliest kernels of the roofline (ten, costliest first,
     ``by_module`` names their modules), ``live_at_peak`` lists the buffers
     live at the busiest point of XLA's live-range analysis, largest first, and ``live_peak`` is

@@ -153,10 +153,10 @@ def _conv_flops(instr: Instr, shapes: dict[str, str]) -> float:
 
 
 class _Model:
-    def __init__(self, text: str, hw: Hardware, count_trips: bool = True):
+    def __init__(self, text: str, hw: Hardware):
         self.computations, self.entry = parse_hlo(text)
         self.hw = hw
-        self.count_trips = count_trips
+        self.count_trips = True  # False: each while body once, as XLA:TPU's cost model counts it
         self.kernels: dict[str, list] = {}
         self.host_seconds = 0.0
 
@@ -341,9 +341,11 @@ def roofline(hlo_text: str, hardware: Hardware | str) -> Roofline:
     (a ``Hardware`` or a name of ``HARDWARE``: ``"h100"``, ``"tpu-v5p"``)."""
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     model = _Model(hlo_text, hw)
+    model.count_trips = False
     model.walk(model.entry, 1)
-    once = _Model(hlo_text, hw, count_trips=False)
-    once.walk(once.entry, 1)
+    seconds_loops_once = max(sum(k[2] for k in model.kernels.values()), model.host_seconds)
+    model.kernels, model.host_seconds, model.count_trips = {}, 0.0, True
+    model.walk(model.entry, 1)
     kernels = sorted((Kernel(*k) for k in model.kernels.values()), key=lambda k: -k.seconds)
     kernel_seconds = sum(k.seconds for k in kernels)
     return Roofline(
@@ -353,5 +355,5 @@ def roofline(hlo_text: str, hardware: Hardware | str) -> Roofline:
         kernel_seconds=kernel_seconds,
         host_seconds=model.host_seconds,
         kernels=tuple(kernels),
-        seconds_loops_once=max(sum(k[2] for k in once.kernels.values()), once.host_seconds),
+        seconds_loops_once=seconds_loops_once,
     )
