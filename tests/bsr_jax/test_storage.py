@@ -219,5 +219,10 @@ def test_gradients_read_the_rows_layout_as_the_cpu_reads_blocks(storage_dtype, m
     # Jitted (one compile each, traced anew under the patch): the platform choice is made when tracing.
     on_cpu = jax.jit(jax.grad(loss, (0, 1, 2)))(w, scale, x)
     monkeypatch.setattr(bsr_jax.core.platforms, "by_lowering_platform", lambda default, branches, *ops: default(*ops))
-    elsewhere = jax.jit(jax.grad(loss, (0, 1, 2)))(w, scale, x)
+    jax.clear_caches()  # from_dense is jitted: traced anew under the patch, and again after it
+    try:
+        elsewhere = jax.jit(jax.grad(loss, (0, 1, 2)))(w, scale, x)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
     chex.assert_trees_all_close(elsewhere, on_cpu, rtol=1e-5, atol=1e-5)

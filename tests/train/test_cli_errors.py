@@ -1,10 +1,16 @@
-"""Mistakes a new user makes, as subprocesses: each exits with code 2 and a short stderr whose first
-line gives the cause and names the flag (or file) and the value to change; no traceback."""
+"""Mistakes a new user makes: each run exits with code 2 and a short stderr whose first line gives
+the cause and names the flag (or file) and the value to change; no traceback.
+
+Flag errors (refused before JAX is imported), --help and signals run as subprocesses; mistakes found
+in the data run in this process as ``python -m`` would run them (``run_here``), which spares each
+one the 2-3 s of an interpreter importing JAX and its plugins."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -26,6 +32,27 @@ def run_cli(module: str, *args: str, home) -> subprocess.CompletedProcess:
                           timeout=300, check=False)  # fmt: skip
 
 
+@pytest.fixture
+def run_here(tmp_path, monkeypatch):
+    """``run_cli(module, *args, home=tmp_path)`` in this process: the module's ``__main__`` block under
+    ``runpy``, its exit code from ``SystemExit``, its output captured; an exception it does not
+    handle fails the test, as a traceback would."""
+
+    def run(module: str, *args: str) -> subprocess.CompletedProcess:
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+        monkeypatch.delenv("BSR_JAX_CACHE", raising=False)
+        monkeypatch.chdir(ROOT)
+        monkeypatch.setattr(sys, "argv", [module, *args])
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = exit_.value.code if isinstance(exit_.value.code, int) else 1  # sys.exit("message") exits with 1
+        return subprocess.CompletedProcess([module, *args], code, stdout.getvalue(), stderr.getvalue())
+
+    return run
+
+
 def refused(done: subprocess.CompletedProcess, lines: int = 1) -> str:
     """The first stderr line of a run that exited with 2 and at most ``lines`` lines, no traceback."""
     assert done.returncode == 2, done.stdout + done.stderr
@@ -39,20 +66,20 @@ def small_run(data_dir, tmp_path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", ["train.cifar", "train.imagenet"])
-def test_a_batch_larger_than_the_data_names_the_flag_range_and_data_size(module, cifar_image_folder, tmp_path):
+def test_a_batch_larger_than_the_data_names_the_flag_range_and_data_size(module, cifar_image_folder, tmp_path, run_here):
     # train.imagenet's default batch is 1024: more than any small folder holds.
     flags = ["--batch-size", "100000"] if module == "train.cifar" else ["--dataset", "imagefolder", "--model", "tiny"]
     folder = cifar_image_folder if module == "train.cifar" else cifar_image_folder / "cifar10"
     batch = 100000 if module == "train.cifar" else 1024
-    line = refused(run_cli(module, *small_run(folder, tmp_path, *flags), home=tmp_path))
+    line = refused(run_here(module, *small_run(folder, tmp_path, *flags)))
     assert line == f"{module}: --batch-size {batch} is more than the 40 training images: it must be in [1, 40]"
     assert not (tmp_path / "run").exists()
 
 
-def test_a_layer_sparsity_pattern_matching_no_layer_is_refused_before_the_data(tmp_path):
+def test_a_layer_sparsity_pattern_matching_no_layer_is_refused_before_the_data(tmp_path, run_here):
     flags = ["--data-dir", str(tmp_path / "no-data"), "--workdir", str(tmp_path / "run"), "--depth", "2",
              "--sparsity", "0.7", "--layer-sparsity", "block*/fc1=0.5", "--layer-sparsity", "blocks*/fc2=0.9"]  # fmt: skip
-    line = refused(run_cli("train.cifar", *flags, home=tmp_path))
+    line = refused(run_here("train.cifar", *flags))
     assert line == (
         "train.cifar: --layer-sparsity blocks*/fc2=0.9: 'blocks*/fc2' matches no layer of the tiny model, whose layer "
         "paths are stem, block{0..1}/affine1, block{0..1}/token_mixing, block{0..1}/layerscale1, block{0..1}/affine2, "
@@ -73,7 +100,7 @@ def test_a_patch_size_that_does_not_divide_the_image_names_both_flags(tmp_path):
     assert line == "train.cifar: argument --patch-size: patch_size must be >= 1 and divide --image-size 32, got 5 (see --help)"
 
 
-def test_images_of_different_sizes_are_refused_with_advice_that_works(tmp_path):
+def test_images_of_different_sizes_are_refused_with_advice_that_works(tmp_path, run_here):
     rng = np.random.default_rng(0)
     folder = tmp_path / "mixed"
     for split, count in (("train", 8), ("test", 4)):
@@ -82,10 +109,10 @@ def test_images_of_different_sizes_are_refused_with_advice_that_works(tmp_path):
             side = 32 if i % 2 else 40
             Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(folder / split / f"c{i % 2}" / f"{i}.png")
     flags = small_run(folder, tmp_path, "--dataset", "imagefolder", "--batch-size", "4", "--steps", "1")
-    line = refused(run_cli("train.cifar", *flags, home=tmp_path))
+    line = refused(run_here("train.cifar", *flags))
     assert line.startswith(f"train.cifar: images have different sizes 32x32 and 40x40 in {folder}, which --augment cifar ")
     assert line.endswith("to resize them all to N x N, pass --dataset imagefolder --augment imagenet (or none) --image-size N")
-    done = run_cli("train.cifar", *flags, "--augment", "none", "--image-size", "32", home=tmp_path)
+    done = run_here("train.cifar", *flags, "--augment", "none", "--image-size", "32")
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -95,14 +122,14 @@ def test_images_of_different_sizes_are_refused_with_advice_that_works(tmp_path):
     (["--augment", "imagenet", "--image-size", "40"], "--image-size 40 is larger than the 32x32 cifar10 images that --augment "
                                                       "imagenet crops from: pass --image-size 32 or less, or --dataset imagefolder"),
 ])  # fmt: skip
-def test_an_image_size_the_stored_images_cannot_give_is_refused(flags, advice, cifar_image_folder, tmp_path):
-    line = refused(run_cli("train.cifar", *small_run(cifar_image_folder, tmp_path, "--batch-size", "8", *flags), home=tmp_path))
+def test_an_image_size_the_stored_images_cannot_give_is_refused(flags, advice, cifar_image_folder, tmp_path, run_here):
+    line = refused(run_here("train.cifar", *small_run(cifar_image_folder, tmp_path, "--batch-size", "8", *flags)))
     assert line.startswith(f"train.cifar: {advice}")
 
 
 # A missing directory is refused as the README's archive name is: -m slow.
 @pytest.mark.parametrize("name", ["empty", "missing", "cifar-10-python.tar.gz"])
-def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path, name):
+def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path, name, run_here):
     data_dir = tmp_path / name
     download = "; without --data-dir it is downloaded."
     if name == "empty":
@@ -110,7 +137,7 @@ def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path, name):
         cause = f"No cifar10 'train' data found in --data-dir {data_dir}{download}"
     else:  # a missing path; the README's first command without the archive gives a file name, not a directory
         cause = f"No cifar10 'train' data: --data-dir {data_dir} does not exist{download}"
-    done = run_cli("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"), home=tmp_path)
+    done = run_here("train.cifar", "--data-dir", str(data_dir), "--workdir", str(tmp_path / "run"))
     line = refused(done, lines=3)
     assert line == f"train.cifar: {cause}"
     lines = ours(done.stderr)
@@ -120,7 +147,7 @@ def test_data_not_found_says_the_cause_first_in_a_short_line(tmp_path, name):
         assert lines[1] == f"  Looked in {data_dir} (does not exist)."
 
 
-def test_a_corrupt_image_names_the_file(tmp_path):
+def test_a_corrupt_image_names_the_file(tmp_path, run_here):
     folder = tmp_path / "imgs"
     for split, count in (("train", 8), ("test", 4)):
         for i in range(count):
@@ -128,18 +155,18 @@ def test_a_corrupt_image_names_the_file(tmp_path):
             Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(folder / split / f"c{i % 2}" / f"{i}.jpg")
     bad = folder / "train" / "c1" / "3.jpg"
     bad.write_bytes(bad.read_bytes()[:100])  # truncated
-    line = refused(run_cli("train.cifar", *small_run(folder, tmp_path, "--dataset", "imagefolder"), home=tmp_path))
+    line = refused(run_here("train.cifar", *small_run(folder, tmp_path, "--dataset", "imagefolder")))
     assert line.startswith(f"train.cifar: cannot read image {bad}: ")
     assert line.endswith(" (a truncated or corrupt image? replace or delete it)")
 
 
-def test_a_folder_with_two_classes_is_not_cifar10(tmp_path):
+def test_a_folder_with_two_classes_is_not_cifar10(tmp_path, run_here):
     folder = tmp_path / "cats_and_dogs"
     for split, count in (("train", 8), ("test", 4)):
         for i in range(count):
             (folder / split / ("cat", "dog")[i % 2]).mkdir(parents=True, exist_ok=True)
             Image.fromarray(np.full((32, 32, 3), i, np.uint8)).save(folder / split / ("cat", "dog")[i % 2] / f"{i}.png")
-    line = refused(run_cli("train.cifar", *small_run(folder, tmp_path), home=tmp_path))
+    line = refused(run_here("train.cifar", *small_run(folder, tmp_path)))
     assert line == (f"train.cifar: {folder} has 2 classes, but cifar10 has 10: pass --dataset imagefolder to train on it "
                     "as it is, or point --data-dir at the dataset")  # fmt: skip
     assert not (tmp_path / "run").exists()
