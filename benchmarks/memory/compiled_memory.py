@@ -54,7 +54,6 @@ import optax  # noqa: E402
 
 import bsr_jax  # noqa: E402
 from bsr_jax import Pooling, Pruning, Rule
-from bsr_jax.backends.dispatch import ENV_VAR  # noqa: E402
 from bsr_jax.rewrite import presets  # noqa: E402
 from bsr_jax.measure.compiled import DEVICELESS_TARGETS  # noqa: E402
 from benchmarks.memory.models import remat_blocks  # noqa: E402
@@ -75,7 +74,8 @@ INT4_ROWS = Pruning(0.0, block=(1, 128), storage_dtype="int4")
 TOKEN_ROWS = {"int8-row": Pruning(0.0, block="row", storage_dtype="int8"), "int4-row": Pruning(0.0, block="row", storage_dtype="int4")}
 # The 1 x 128 formats through backend="fused": codes written by the forward GEMM, read by dW's
 # (bsr_jax.backends.fused; on TPU the unfused path, the same codes).
-FUSED = {"int8-fused": Pruning(0.0, block=(1, 128), storage_dtype="int8"), "int4-fused": INT4_ROWS}
+FUSED = {"int8-fused": Pruning(0.0, block=(1, 128), storage_dtype="int8", backend="fused"),
+         "int4-fused": Pruning(0.0, block=(1, 128), storage_dtype="int4", backend="fused")}
 # int4 with approximate dx (bsr_jax.ops.dx): ResMLP's GELU input, a compress_model'd model's every
 # recognised norm, activation and attention input (compress_model(dx=...)) stored in int8 / int4.
 DX_SETTINGS = {"int4-dx8": "int8", "int4-dx4": "int4"}
@@ -103,25 +103,11 @@ def _resmlp(setting: str):
     every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4", "int4-dx8", "int4-dx4", *TOKEN_ROWS, *FUSED) or setting in PRESET_SETTINGS
     affine, layerscale = train_models.scale_shift_defs(pruning if every_residual else None)
     model = train_models.ResMLP(
-        num_classes=10, patch_size=4, dense=train_models.dense_def(pruning, backend="fused" if setting in FUSED else None), stem_dense=train_models.dense_def(),
+        num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
         head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, remat=remat, remat_policy=policy,
         dx=DX_SETTINGS.get(setting), **train_models.PRESETS["s12"],
     )
     return model, (128, 32, 32, 3), 10, contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def backend_env(name: str):
-    """compress_model's layers take the backend of ``$BSR_JAX_BACKEND`` when traced."""
-    before = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[ENV_VAR]
-        else:
-            os.environ[ENV_VAR] = before
 
 
 def _third_party(name: str, setting: str):
@@ -141,7 +127,7 @@ def _third_party(name: str, setting: str):
     rules |= {f"{name}-nolean": rules[name] for name in ("int4", "int4-row", "int4-fused")}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting), lean=not nolean)
-    context = backend_env("fused") if setting.removesuffix("-nolean") in FUSED else contextlib.nullcontext()
+    context = contextlib.nullcontext()
     if setting.startswith("remat"):
         policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES[setting]
         context = remat_blocks(stand_in, policy)

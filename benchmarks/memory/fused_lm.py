@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import json
 import os
@@ -30,7 +29,6 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import bsr_jax  # noqa: E402
-from benchmarks.memory.compiled_memory import backend_env  # noqa: E402
 from benchmarks.memory.lm_compiled import step_args  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from train.lm_config import LMConfig  # noqa: E402
@@ -50,17 +48,16 @@ def build(setting: str):
     if base not in ("int4-rows", "int4-fused"):
         return config, None
     rules = compression_rules(config)
-    rules[-1] = bsr_jax.Rule("*", dataclasses.replace(rules[-1].compression, block=ROWS))
+    rules[-1] = bsr_jax.Rule("*", dataclasses.replace(rules[-1].compression, block=ROWS, backend="fused" if base == "int4-fused" else None))
     model = create_model(config, model_shape(config), compressed=False)
     return config, bsr_jax.compress_model(model, rules, lean=config.lean)
 
 
 def compiled(setting: str, breakdown: bool = False) -> bsr_jax.CompiledStep:
     """The setting's whole step compiled for H100 (the fused settings through ``backend="fused"``)."""
-    with backend_env("fused") if "fused" in setting else contextlib.nullcontext():
-        config, model = build(setting)
-        step, args, _ = step_args(config, model)
-        return bsr_jax.compiled_memory(step, *args, target="h100", donate_argnums=(0, 1), breakdown=breakdown)
+    config, model = build(setting)
+    step, args, _ = step_args(config, model)
+    return bsr_jax.compiled_memory(step, *args, target="h100", donate_argnums=(0, 1), breakdown=breakdown)
 
 
 def measure(setting: str) -> dict:

@@ -47,9 +47,9 @@ FORMATS |= FUSED
 TRITON = {"auto": None, "on": True, "off": False}
 
 
-def s12(pruning: Pruning | None, backend: str | None = None):
+def s12(pruning: Pruning | None):
     affine, layerscale = train_models.scale_shift_defs(pruning)
-    return train_models.ResMLP(num_classes=10, patch_size=4, dense=train_models.dense_def(pruning, backend=backend), stem_dense=train_models.dense_def(),
+    return train_models.ResMLP(num_classes=10, patch_size=4, dense=train_models.dense_def(pruning), stem_dense=train_models.dense_def(),
                                head_dense=train_models.dense_def(), affine=affine, layerscale=layerscale, **train_models.PRESETS["s12"])  # fmt: skip
 
 
@@ -61,7 +61,7 @@ def kind(kernel: roofline.Kernel) -> str:
 
 
 def account(fmt: str, triton_gemm: bool | None) -> dict:
-    step, args = step_args(s12(FORMATS[fmt], "fused" if fmt in FUSED else None), (128, 32, 32, 3), 10)
+    step, args = step_args(s12(FORMATS[fmt]), (128, 32, 32, 3), 10)
     program = compiled.compile_for(step, *args, target="h100", donate_argnums=(0, 1), triton_gemm=triton_gemm)
     text = program.as_text()
     model = roofline.roofline(text, "h100")

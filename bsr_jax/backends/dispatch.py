@@ -102,9 +102,13 @@ BACKENDS[AUTO] = platform_dw
 BACKENDS["fused"] = lambda bsr, dy: fused_dw(bsr, dy, platform_dw)
 
 
-def resolve_backend(name: str | None) -> str:
-    """The backend name to use: the argument, else ``$BSR_JAX_BACKEND``, else ``"auto"`` (by the
-    platform lowered for)."""
+def resolve_backend(name: str | None, layer: str | None = None) -> str:
+    """The backend name to use: the argument, else the layer's (``Pruning.backend``), else
+    ``$BSR_JAX_BACKEND``, else ``"auto"`` (by the platform lowered for). An argument and a layer's
+    backend that disagree are an error."""
+    if name is not None and layer is not None and name != layer:
+        raise ValueError(f"backend={name!r} and the layer's Pruning(backend={layer!r}) disagree: give one of them")
+    name = name if name is not None else layer
     if name is None:
         name = os.environ.get(ENV_VAR) or AUTO
     if name not in BACKENDS:

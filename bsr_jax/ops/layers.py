@@ -44,7 +44,8 @@ class PrunedModule(nn.Module):
         if ruled is not layer_choice.NO_MATCH:
             pruning = ruled or Pruning(0.0)
         else:
-            options = {name: getattr(self, name) for name in PRUNING_OPTIONS}
+            # backend is Dense's own attribute (passed to bsr_linear), not a shorthand.
+            options = {name: getattr(self, name) for name in PRUNING_OPTIONS if name != "backend"}
             if self.pruning is None and options["sparsity"] is None:
                 options["sparsity"] = 0.0
             pruning = as_pruning(self.pruning, options)

@@ -133,7 +133,7 @@ def pruned_dot_general(
     product."""
     if not is_linear_dims(dims, x.ndim):
         raise ValueError(f"pruned_dot_general supports x's trailing axes against w's leading axes only, got {dims}")
-    backend = backends.resolve_backend(backend)
+    backend = backends.resolve_backend(backend, pruning.backend)
     contracted = len(dims[0][0])
 
     def local(x, params, key, blocks):

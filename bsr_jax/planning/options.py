@@ -62,6 +62,10 @@ OPTIONS: Mapping[str, Option] = {
     "int4": Option(_INT4, approximation=_DW_INT4),
     "int4-dx8": Option(_INT4, dx="int8", approximation=f"{_DW_INT4}; dx from int8 inputs, error up to 0.014 (docs/memory.md 1.2)"),
     "topk": Option(Pruning(0.7, block=16), approximation="dW from the top 30% of blocks, biased: 55% of its norm lost (docs/RESULTS.md 3)"),
+    # int4 in 1 x 128 blocks through the fused kernels (GPU: the forward GEMM writes the
+    # codes, dW's reads them; TPU: the unfused path, the same codes).
+    "int4-fused": Option(Pruning(0.0, block=(1, 128), storage_dtype="int4", backend="fused"),
+                         approximation="dW from int4 inputs in 1 x 128 blocks, error 0.04-0.22 (docs/memory.md 0.1)"),
     "remat": Option(remat=True),
     "remat-dots": Option(remat=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
     "remat-dots-all": Option(remat=True, policy=jax.checkpoint_policies.dots_saveable),

@@ -26,6 +26,11 @@ from bsr_jax.storage.quantize import STOCHASTIC_ROUNDING_DTYPES, StorageDtype, c
 from bsr_jax.storage.selection import Selection
 
 
+# The weight-gradient backends' names (bsr_jax.backends.dispatch.BACKENDS is keyed by them), here
+# so that a Pruning is checked where it is made, below the backends that implement them.
+BACKENDS = ("reference", "xla", "cpu", "pallas", "auto", "fused")
+
+
 @dataclasses.dataclass(frozen=True)
 class Pruning:
     """Options of block-pruned residuals: the one carrier every op, layer and rule passes around.
@@ -56,6 +61,13 @@ class Pruning:
         models from the ``"pruning"`` rng stream (``apply(..., rngs={"pruning": key})``), ``key=`` in the ops.
       rounding: ``"nearest"``, or ``"stochastic"`` (unbiased; ``"int8"``/``"int4"`` storage only;
         needs a PRNG key when differentiated).
+      backend: the linear layer's weight-gradient kernels, one of ``BACKENDS`` (see
+        ``bsr_jax.backends.dispatch``), or ``None``: the op's ``backend=``, else
+        ``$BSR_JAX_BACKEND``, else the platform's. Per layer what the environment variable sets
+        for all: a rule's ``Pruning(0.0, block=(1, 128), storage_dtype="int4", backend="fused")``
+        runs that layer's forward GEMM as the kernel that writes x's codes (GPU;
+        ``bsr_jax.backends.fused``). Convolutions and scale/shift layers compute their weight
+        gradient with XLA whatever it says, as they do under the variable.
     """
 
     sparsity: float
@@ -65,6 +77,7 @@ class Pruning:
     storage_dtype: StorageDtype | None = None
     stochastic: bool = False
     rounding: Rounding = "nearest"
+    backend: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparsity", check_sparsity(self.sparsity))
@@ -82,6 +95,8 @@ class Pruning:
             raise ValueError(
                 f"rounding='stochastic' needs storage_dtype in {STOCHASTIC_ROUNDING_DTYPES}, got {self.storage_dtype!r}"
             )
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {self.backend!r}")
 
     @property
     def needs_key(self) -> bool:

@@ -2,6 +2,8 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
+
 import bsr_jax
 from bsr_jax.backends import dispatch as backends
 
@@ -26,3 +28,19 @@ def test_default_backend_follows_the_lowering_platform(monkeypatch):
 def test_an_explicit_backend_is_kept_on_every_platform(monkeypatch):
     assert CPU_TARGET not in _grad_text("cpu", monkeypatch, backend="xla")
     assert CPU_TARGET in _grad_text("cuda", monkeypatch, backend="cpu")  # asked for: no silent swap
+
+
+def test_a_layers_pruning_names_its_backend_and_an_argument_that_disagrees_is_an_error(monkeypatch):
+    from bsr_jax.storage import pruning
+
+    assert tuple(backends.BACKENDS) == pruning.BACKENDS  # the one list Pruning checks against
+    monkeypatch.setenv(backends.ENV_VAR, "xla")  # the layer's choice wins over the environment's
+    x, w = jnp.ones((64, 32)), jnp.ones((32, 16))
+    on_cpu = bsr_jax.Pruning(0.5, block=16, backend="cpu")
+    loss = lambda w: jnp.sum(bsr_jax.bsr_linear(x, w, pruning=on_cpu))  # noqa: E731
+    assert CPU_TARGET in jax.jit(jax.grad(loss)).trace(w).lower(lowering_platforms=("cuda",)).as_text()
+    assert backends.resolve_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match=r"backend='xla' and the layer's Pruning\(backend='cpu'\) disagree"):
+        bsr_jax.bsr_linear(x, w, pruning=on_cpu, backend="xla")
+    with pytest.raises(ValueError, match=r"backend must be one of \('reference', .*got 'cuda'"):
+        bsr_jax.Pruning(0.5, backend="cuda")
