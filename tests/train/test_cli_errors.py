@@ -47,7 +47,8 @@ def run_here(tmp_path, monkeypatch):
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = exit_.value.code if isinstance(exit_.value.code, int) else 1  # sys.exit("message") exits with 1
+        code = exit_.value.code
+        code = 0 if code is None else code if isinstance(code, int) else 1  # as the interpreter exits
         return subprocess.CompletedProcess([module, *args], code, stdout.getvalue(), stderr.getvalue())
 
     return run
