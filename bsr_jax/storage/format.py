@@ -145,6 +145,7 @@ class BlockSparse:
             values = dequantize_blocks(self.values, self.scales, self.storage_dtype, self.block, self.dense_dtype)
         return dataclasses.replace(self, values=values, scales=None, storage_dtype=None)
 
+    @functools.partial(jax.jit, static_argnames=("padded",))  # as from_dense
     def to_dense(self, padded: bool = False) -> jax.Array:
         """The ``(M, K)`` matrix (``padded_shape`` if ``padded``) with pruned blocks as zeros, in the
         input's dtype (dequantized if stored in lower precision)."""

@@ -41,6 +41,7 @@ values but a layout that follows the platform lowered for:
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -124,6 +125,8 @@ def _unpack_int4(packed: jax.Array, block: tuple[int, int]) -> jax.Array:
     return signed[:, : block[0] * block[1]].reshape(-1, *block)
 
 
+# Jitted, as from_dense is: an eager call compiles one program instead of one per op.
+@functools.partial(jax.jit, static_argnames=("storage_dtype",))
 def quantize_blocks(
     values: jax.Array, storage_dtype: StorageDtype | None, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -148,6 +151,7 @@ def quantize_blocks(
     return _pack_int4(q.astype(jnp.int32)), scales
 
 
+@functools.partial(jax.jit, static_argnames=("storage_dtype", "block", "dtype"))
 def dequantize_blocks(
     stored: jax.Array, scales: jax.Array | None, storage_dtype: StorageDtype | None, block: tuple[int, int], dtype
 ) -> jax.Array:
