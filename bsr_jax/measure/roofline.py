@@ -156,9 +156,10 @@ class _Model:
     def __init__(self, text: str, hw: Hardware):
         self.computations, self.entry = parse_hlo(text)
         self.hw = hw
-        self.count_trips = True  # False: each while body once, as XLA:TPU's cost model counts it
         self.kernels: dict[str, list] = {}
         self.host_seconds = 0.0
+        # The same sums with every while body counted once, as XLA:TPU's cost model counts it.
+        self.kernel_seconds_once = self.host_seconds_once = 0.0
 
     def shapes(self, computation: str) -> dict[str, str]:
         return {i.name: i.type for i in self.computations[computation]}
@@ -255,28 +256,31 @@ class _Model:
                     out_bytes -= type_bytes(param.type) - update
         return sum(operand_bytes) + max(out_bytes, 0.0)
 
-    def walk(self, computation: str, times: int) -> None:
+    def walk(self, computation: str, times: int, once: int = 1) -> None:
+        """Add the computation's kernels, run ``times`` times (``once``: its loops' bodies counted once)."""
         shapes = self.shapes(computation)
         for instr in self.computations[computation]:
             op = instr.opcode
             if op in _FREE:
                 continue
             if op == "while":
-                trips = self.trip_count(instr) if self.count_trips else 1
-                self.walk(attr(instr.attrs, "body").lstrip("%"), times * trips)
-                self.walk(attr(instr.attrs, "condition").lstrip("%"), times * trips)
+                trips = self.trip_count(instr)
+                self.walk(attr(instr.attrs, "body").lstrip("%"), times * trips, once)
+                self.walk(attr(instr.attrs, "condition").lstrip("%"), times * trips, once)
                 continue
             if op == "call":
-                self.walk(attr(instr.attrs, "to_apply").lstrip("%"), times)
+                self.walk(attr(instr.attrs, "to_apply").lstrip("%"), times, once)
                 continue
             if op == "conditional":
                 branches = re.findall(r"%([\w.\-]+)", attr(instr.attrs, "branch_computations") or "")
                 if branches:  # the costliest branch
                     costs = [(self.cost_of(b), b) for b in branches]
-                    self.walk(max(costs)[1], times)
+                    self.walk(max(costs)[1], times, once)
                 continue
             if op in ("copy-start", "copy") and any(HOST_SPACE in t for t in [instr.type] + [shapes[o] for o in instr.operands]):
-                self.host_seconds += times * type_bytes(shapes[instr.operands[0]], skip_onchip=False) / self.hw.host_bytes_per_s
+                seconds = type_bytes(shapes[instr.operands[0]], skip_onchip=False) / self.hw.host_bytes_per_s
+                self.host_seconds += times * seconds
+                self.host_seconds_once += once * seconds
                 continue
             nbytes = self.io_bytes(instr, shapes)
             link_s = self.link_seconds(instr, shapes)
@@ -292,6 +296,7 @@ class _Model:
             k[3] += times * nbytes
             k[4] += times * flops
             k[5] += times
+            self.kernel_seconds_once += once * seconds
 
     def link_seconds(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Seconds a collective's bytes take over the interconnect (0 for anything else)."""
@@ -314,10 +319,11 @@ class _Model:
         return flops, seconds
 
     def cost_of(self, computation: str) -> float:
-        saved, self.kernels = self.kernels, {}
+        saved = self.kernels, self.kernel_seconds_once
+        self.kernels = {}
         self.walk(computation, 1)
         total = sum(k[2] for k in self.kernels.values())
-        self.kernels = saved
+        self.kernels, self.kernel_seconds_once = saved
         return total
 
     def trip_count(self, instr: Instr) -> int:
@@ -341,10 +347,6 @@ def roofline(hlo_text: str, hardware: Hardware | str) -> Roofline:
     (a ``Hardware`` or a name of ``HARDWARE``: ``"h100"``, ``"tpu-v5p"``)."""
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     model = _Model(hlo_text, hw)
-    model.count_trips = False
-    model.walk(model.entry, 1)
-    seconds_loops_once = max(sum(k[2] for k in model.kernels.values()), model.host_seconds)
-    model.kernels, model.host_seconds, model.count_trips = {}, 0.0, True
     model.walk(model.entry, 1)
     kernels = sorted((Kernel(*k) for k in model.kernels.values()), key=lambda k: -k.seconds)
     kernel_seconds = sum(k.seconds for k in kernels)
@@ -355,5 +357,5 @@ def roofline(hlo_text: str, hardware: Hardware | str) -> Roofline:
         kernel_seconds=kernel_seconds,
         host_seconds=model.host_seconds,
         kernels=tuple(kernels),
-        seconds_loops_once=seconds_loops_once,
+        seconds_loops_once=max(model.kernel_seconds_once, model.host_seconds_once),
     )
