@@ -25,18 +25,24 @@ from PIL import Image
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_cli(module: str, *args: str, home) -> subprocess.CompletedProcess:
+def cli_env(home) -> dict[str, str]:
+    """A CLI subprocess's environment: HOME and tfds' data under ``home``, CPU only, no BSR_JAX_CACHE."""
     env = {**os.environ, "HOME": str(home / "home"), "TFDS_DATA_DIR": str(home / "tfds"), "JAX_PLATFORMS": "cpu"}
     env.pop("BSR_JAX_CACHE", None)
-    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+    return env
+
+
+def run_cli(module: str, *args: str, home) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], env=cli_env(home), cwd=ROOT, capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
 
 
 @pytest.fixture
 def run_here(tmp_path, monkeypatch):
-    """``run_cli(module, *args, home=tmp_path)`` in this process: the module's ``__main__`` block under
-    ``runpy``, its exit code from ``SystemExit``, its output captured; an exception it does not
-    handle fails the test, as a traceback would."""
+    """``run_cli(module, *args, home=tmp_path)`` in this process (``cli_env``'s changes made with
+    ``monkeypatch``): the module's ``__main__`` block under ``runpy``, its exit code from
+    ``SystemExit``, its output captured; an exception it does not handle fails the test, as a
+    traceback would."""
 
     def run(module: str, *args: str) -> subprocess.CompletedProcess:
         monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -219,8 +225,7 @@ def test_a_signal_while_the_data_is_read_stops_with_one_line(signum, cifar_image
     shutil.copytree(cifar_image_folder / "cifar10", folder / "cifar10")
     fifo = folder / "cifar10" / "train" / "class9" / "9999.png"
     os.mkfifo(fifo)
-    env = {**os.environ, "HOME": str(tmp_path / "home"), "TFDS_DATA_DIR": str(tmp_path / "tfds"), "JAX_PLATFORMS": "cpu"}
-    process = subprocess.Popen([sys.executable, "-m", "train.cifar", *small_run(folder, tmp_path)], env=env, cwd=ROOT,
+    process = subprocess.Popen([sys.executable, "-m", "train.cifar", *small_run(folder, tmp_path)], env=cli_env(tmp_path), cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while True:  # opening the FIFO for writing succeeds once the reader has it open
