@@ -212,7 +212,7 @@ def measure(name: str, setting: str, target: str, triton_gemm: bool | None = Non
         key = re.sub(r"(?<=[a-z_])\d+(?=/)", "*", module)
         live[key] = live.get(key, 0.0) + nbytes / MIB
     top = sorted(live.items(), key=lambda kv: -kv[1])[:5]
-    kernels = [dict(op=k.op, us=k.seconds * 1e6, mib=k.bytes / MIB, gflop=k.flops / 1e9, count=k.count) for k in r.kernels]
+    kernels = [dict(op=k.op, us=k.seconds * 1e6, mib=k.bytes / MIB, gflop=k.flops / 1e9, count=k.count) for k in r.kernels[:10]]
     return dict(model=name, setting=setting, target=target, triton_gemm=r.triton_gemm, peak_mib=r.peak / MIB, temp_mib=r.temp / MIB,
                 live_peak_mib=r.live_peak / MIB, flops=r.flops, optimal_seconds=r.optimal_seconds,
                 modelled_seconds=r.modelled_seconds, roofline_seconds=r.roofline_seconds, live_at_peak_mib=dict(top),

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bsr_jax.measure import roofline as roofline_lib
+from bsr_jax.measure.hlo_text import op_names, parse_hlo
 
 # The H100 SXM device description (the form of XLA's xla/tools/hlo_opt/gpu_specs).
 H100_CONFIG = os.path.join(os.path.dirname(__file__), "h100_sxm.txtpb")
@@ -177,9 +178,10 @@ class CompiledStep:
     are then counted as often as they run; approximate where XLA's model and the roofline weigh
     the loop differently), the roofline's (``roofline_seconds``) on H100; None on the host.
     ``roofline_seconds`` is the per-kernel roofline of the optimized HLO with the target's figures (``bsr_jax.measure.roofline``), on TPU too, where it checks the method against XLA's own model.
-    With a breakdown: ``kernels`` are the costliest kernels of the roofline (ten, costliest first,
-    ``by_module`` names their modules), ``live_at_peak`` lists the buffers
-    live at the busiest point of XLA's live-range analysis, largest first, and ``live_peak`` is
+    With a breakdown: ``kernels`` are every kernel of the roofline, costliest first (``op``: the
+    op name of the instruction, or of what a fusion XLA left unnamed computes, module path
+    included), ``transfers`` its host copies, ``live_at_peak`` lists the buffers
+    live at the busiest point of XLA's live-range analysis, largest first (named the same way), and ``live_peak`` is
     their sum in the arrays' own (unpadded) sizes. The two peaks are counted differently: on XLA:TPU
     ``peak`` also holds tile padding and the gaps the heap's packing leaves, and they differ either
     way (docs/memory.md). Empty and None unless asked for.
@@ -198,6 +200,7 @@ class CompiledStep:
     live_at_peak: tuple[LiveBuffer, ...] = ()
     live_peak: int | None = None
     kernels: tuple[roofline_lib.Kernel, ...] = ()
+    transfers: tuple[roofline_lib.Kernel, ...] = ()
     triton_gemm: bool = False  # GEMMs compiled as Triton fusions (True) or cuBLAS calls (``compiled_memory(triton_gemm=)``)
 
     def by_module(self, depth: int = 2) -> dict[str, int]:
@@ -234,17 +237,18 @@ _LIVE = re.compile(r"── (.+?) \([\d.]+%, total: [\d\s\u202f\xa0]+ bytes, cur
 _LIVE_PEAK = re.compile(r"Stack trace breakdown for peak usage: ([\d\s\u202f\xa0]+) bytes")
 
 
-def _live_at_peak(dump_dir: str) -> tuple[tuple[LiveBuffer, ...], int | None]:
+def _live_at_peak(dump_dir: str, names: dict[str, str]) -> tuple[tuple[LiveBuffer, ...], int | None]:
     """The 'Stack trace breakdown for peak usage' of XLA's live-range dump of the largest module,
-    and the total it names (None where the dump has no breakdown)."""
+    and the total it names (None where the dump has no breakdown). A buffer the dump names by its
+    instruction (``fusion.926``) takes that instruction's op name from ``names``."""
     dumps = glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt"))
     if not dumps:
         raise RuntimeError(f"XLA wrote no live-range dump in {dump_dir}: no breakdown for this target")
     with open(max(dumps, key=os.path.getsize)) as f:
         text = f.read()
     section = text[text.index("Stack trace breakdown") :] if "Stack trace breakdown" in text else ""
-    found = [LiveBuffer(m.group(1).removeprefix("jit(").split(")/", 1)[-1], int(re.sub(r"\D", "", m.group(2))))
-             for m in _LIVE.finditer(section)]
+    found = [LiveBuffer(names.get(op, op).removeprefix("jit(").split(")/", 1)[-1], int(re.sub(r"\D", "", m.group(2))))
+             for m in _LIVE.finditer(section) for op in [m.group(1)]]
     total = _LIVE_PEAK.search(section)
     live_peak = int(re.sub(r"\D", "", total.group(1))) if total else None
     return tuple(sorted((b for b in found if b.bytes), key=lambda b: -b.bytes)), live_peak
@@ -338,7 +342,7 @@ def compiled_memory(
       donate_argnums: arguments whose buffers the step may reuse (params and optimizer state of a
         training step), as ``jax.jit``'s.
       breakdown: also list the buffers live at the peak (compiles with XLA's dump into a temporary
-        directory) and the ten costliest kernels of the roofline.
+        directory), every kernel of the roofline and its host copies.
       triton_gemm: ``"h100"`` only: ``None`` (the default) compiles GEMMs as a real H100 does, as
         Triton fusions, where XLA tiles them without the device, else as cuBLAS calls with a
         ``UserWarning`` (ViT-B/16's step does not tile deviceless); ``True``: Triton or a
@@ -350,15 +354,16 @@ def compiled_memory(
         options = {"xla_dump_to": dump_dir} if breakdown else {}
         compiled = compile_for(fn, *args, target=target, devices=devices, donate_argnums=donate_argnums, options=options,
                                triton_gemm=triton_gemm)  # fmt: skip
-        live, live_peak = _live_at_peak(dump_dir) if breakdown else ((), None)
+        # The program's text, read once where the roofline, the GEMM kind or the breakdown's names parse it.
+        text = compiled.as_text() if target in roofline_lib.HARDWARE or breakdown else ""
+        names = op_names(parse_hlo(text)[0]) if breakdown else {}
+        live, live_peak = _live_at_peak(dump_dir, names) if breakdown else ((), None)
     memory = CompiledMemory.of(compiled)
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
     # XLA:TPU reports a negative time for programs its cost model cannot time.
     optimal = seconds if (seconds := cost.get("optimal_seconds")) is None or seconds >= 0 else None
-    # The program's text, read once where the roofline and the GEMM kind parse it (not for the host).
-    text = compiled.as_text() if target in roofline_lib.HARDWARE else ""
-    modelled = roofline_lib.roofline(text, target) if text else None
+    modelled = roofline_lib.roofline(text, target) if target in roofline_lib.HARDWARE else None
     # XLA's own peak as scheduled where it reports one; else the bound CompiledMemory gives. XLA:CPU's
     # peak leaves its temporaries out (arguments and outputs only): on the host, the bound instead.
     peak = int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0)) or memory.peak
@@ -374,6 +379,7 @@ def compiled_memory(
         roofline_seconds=modelled and modelled.seconds,
         live_at_peak=live,
         live_peak=live_peak,
-        kernels=modelled.top(10) if breakdown and modelled else (),
+        kernels=modelled.kernels if breakdown and modelled else (),
+        transfers=modelled.transfers if breakdown and modelled else (),
         triton_gemm=target == "h100" and uses_triton_gemm(text),
     )

@@ -113,3 +113,20 @@ def backend_config(attrs: str) -> dict:
         return json.loads(value) if value and value.startswith("{") else {}
     except ValueError:  # not JSON (some targets print a proto text)
         return {}
+
+
+def op_names(computations: dict[str, list[Instr]]) -> dict[str, str]:
+    """Instruction name -> the ``op_name`` of its metadata (the JAX name stack: module path
+    included). A fusion or call XLA built without one takes that of the last instruction of the
+    computation it calls that has one (its root, where named), so that every kernel of a program
+    (``fusion.926``) can be told apart by the module that produced it."""
+    names = {i.name: m.group(1) for instrs in computations.values() for i in instrs if (m := re.search(r'op_name="([^"]*)"', i.attrs))}
+    for instrs in computations.values():
+        for i in instrs:
+            if i.name not in names:
+                for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", i.attrs):
+                    named = [names[j.name] for j in computations.get(callee, ()) if j.name in names]
+                    if named:
+                        names[i.name] = named[-1]
+                        break
+    return names

@@ -43,6 +43,7 @@ from bsr_jax.measure.hlo_text import (
     attr,
     backend_config,
     dims,
+    op_names,
     parse_hlo,
     type_bytes,
 )
@@ -84,6 +85,7 @@ class Roofline:
     kernel_seconds: float
     host_seconds: float
     kernels: tuple[Kernel, ...]  # costliest first
+    transfers: tuple[Kernel, ...] = ()  # host copies (their time is ``host_seconds``'), costliest first
     # The same program with every while-loop body counted once, whatever its trip count, as
     # XLA:TPU's cost model counts it (``bsr_jax.compiled_memory`` scales that model by their ratio).
     seconds_loops_once: float = 0.0
@@ -156,7 +158,9 @@ class _Model:
     def __init__(self, text: str, hw: Hardware):
         self.computations, self.entry = parse_hlo(text)
         self.hw = hw
+        self.names = op_names(self.computations)
         self.kernels: dict[str, list] = {}
+        self.transfers: dict[str, list] = {}  # host copies, as kernels of the host link
         self.host_seconds = 0.0
         # The same sums with every while body counted once, as XLA:TPU's cost model counts it.
         self.kernel_seconds_once = self.host_seconds_once = 0.0
@@ -278,9 +282,11 @@ class _Model:
                     self.walk(max(costs)[1], times, once)
                 continue
             if op in ("copy-start", "copy") and any(HOST_SPACE in t for t in [instr.type] + [shapes[o] for o in instr.operands]):
-                seconds = type_bytes(shapes[instr.operands[0]], skip_onchip=False) / self.hw.host_bytes_per_s
+                nbytes = type_bytes(shapes[instr.operands[0]], skip_onchip=False)
+                seconds = nbytes / self.hw.host_bytes_per_s
                 self.host_seconds += times * seconds
                 self.host_seconds_once += once * seconds
+                self.add(self.transfers, instr, times * seconds, times * nbytes, 0.0, times)
                 continue
             nbytes = self.io_bytes(instr, shapes)
             link_s = self.link_seconds(instr, shapes)
@@ -289,14 +295,15 @@ class _Model:
             else:
                 flops, compute_s = self.own_matmul(instr, shapes)
             seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) + self.hw.launch_s
-            meta = re.search(r'op_name="([^"]*)"', instr.attrs)
-            self.kernels.setdefault(instr.name, [instr.name, meta.group(1) if meta else "", 0.0, 0.0, 0.0, 0])
-            k = self.kernels[instr.name]
-            k[2] += times * seconds
-            k[3] += times * nbytes
-            k[4] += times * flops
-            k[5] += times
+            self.add(self.kernels, instr, times * seconds, times * nbytes, times * flops, times)
             self.kernel_seconds_once += once * seconds
+
+    def add(self, into: dict[str, list], instr: Instr, seconds: float, nbytes: float, flops: float, count: int) -> None:
+        k = into.setdefault(instr.name, [instr.name, self.names.get(instr.name, ""), 0.0, 0.0, 0.0, 0])
+        k[2] += seconds
+        k[3] += nbytes
+        k[4] += flops
+        k[5] += count
 
     def link_seconds(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Seconds a collective's bytes take over the interconnect (0 for anything else)."""
@@ -319,11 +326,12 @@ class _Model:
         return flops, seconds
 
     def cost_of(self, computation: str) -> float:
-        saved = self.kernels, self.kernel_seconds_once
-        self.kernels = {}
+        # A trial walk: whatever it adds (host copies included) is put back as it was.
+        saved = self.kernels, self.transfers, self.kernel_seconds_once, self.host_seconds, self.host_seconds_once
+        self.kernels, self.transfers = {}, {}
         self.walk(computation, 1)
         total = sum(k[2] for k in self.kernels.values())
-        self.kernels, self.kernel_seconds_once = saved
+        self.kernels, self.transfers, self.kernel_seconds_once, self.host_seconds, self.host_seconds_once = saved
         return total
 
     def trip_count(self, instr: Instr) -> int:
@@ -357,5 +365,6 @@ def roofline(hlo_text: str, hardware: Hardware | str) -> Roofline:
         kernel_seconds=kernel_seconds,
         host_seconds=model.host_seconds,
         kernels=tuple(kernels),
+        transfers=tuple(sorted((Kernel(*k) for k in model.transfers.values()), key=lambda k: -k.seconds)),
         seconds_loops_once=max(model.kernel_seconds_once, model.host_seconds_once),
     )

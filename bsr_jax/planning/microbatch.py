@@ -9,11 +9,15 @@ summation order). ``plan(..., microbatches=k)`` measures steps built with it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from bsr_jax.planning.options import parse_budget
+from bsr_jax.planning.result import Plan
 
 
 AUTO = "auto"  # plan(microbatches=AUTO): the count is searched
@@ -50,3 +54,32 @@ def accumulated_value_and_grad(fn: Callable[..., jax.Array], microbatches: int) 
         return value / microbatches, jax.tree.map(lambda g: g / microbatches, grads)
 
     return accumulated
+
+
+def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any) -> Plan:
+    """``plan(microbatches="auto")``: the plan at 1 against the dense step at 2, 4, 8 micro-batches."""
+    dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
+    kind, amount = parse_budget(budget)
+    limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
+    found, refusal = [], None
+    for k in [1, *(k for k in (2, 4, 8) if divides(k, batch))]:
+        # At k > 1 only the dense step: a micro-batched plan of blocks would multiply the search.
+        narrowed = {} if k == 1 else dict(options=["keep"], rest_options=["keep"], verify=0, loss_chunk=None)
+        try:
+            found.append(dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense))
+        except ValueError as error:
+            if "no candidate fits" not in str(error):
+                raise
+            refusal = refusal or error
+        if found and found[-1].microbatches == k and (k > 1 or found[-1].remat is None):
+            break  # the dense step fits: more slices only add steps to the loop
+    if not found:
+        raise refusal
+    return min(found, key=lambda p: p.modelled_seconds)
+
+
+def divides(k: int, batch: Any) -> bool:
+    try:
+        return check_microbatches(k, batch) == k
+    except ValueError:
+        return False

@@ -13,15 +13,20 @@ How it searches, in compiles (each cached by its choices):
 
 1. the dense step (the budget's reference and the baseline): where it fits, it is the plan; where
    the step's arguments alone (parameters, optimizer state, batch) exceed the budget, nothing fits;
-2. remat on every block (the least any option keeps) with each choice for the rest and the loss:
-   where none of them fits, nothing else does, and the search stops there;
-3. every option on every block at once (``uniform``): the peak and time each option adds per
-   block, assuming blocks alike;
-4. the linear model of those deltas ranks every assignment that mixes at most two options over
-   the blocks (the more compressing one on the first blocks, whose residuals live longest) with
-   each choice for the rest: with one budget, the best of a linear model needs no more than two
-   options per block kind. The best predicted assignments are compiled in order until
-   ``verify`` of them were compiled; the fastest compiled one within budget is returned.
+2. remat on every block (the least any option keeps): where it does not fit and the rest and the
+   loss have no other choice, nothing does, and the search stops there;
+3. the cost model (``bsr_jax.planning.cost``): the compiled steps' buffers live at the peak and
+   kernels, told apart by the module path in their op names, give each block's bytes and time
+   under each option; "probes", steps whose blocks take the other options in turn (one step for
+   up to as many options as there are blocks), measure the rest, with each choice for the rest and
+   the loss. ``CostModel.solve`` finds the assignment (any option on any block) of least predicted
+   time whose predicted peak fits; it is compiled, and the budget solved for is corrected by the
+   error between its compiled and predicted peaks, until ``verify`` candidates fit or the model's
+   best was compiled already. The fastest compiled candidate within budget is returned.
+
+Where a compiled step's op names do not tell the blocks apart (``flax.nnx`` modules push no name
+scope), step 3 is the whole-step search instead: every option on every block at once, each
+option's per-block delta taken as alike, and assignments mixing two options ranked by them.
 
 Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
 uncompiled: a plan's peak and time are those of its own compiled step. Only exact options are
@@ -55,8 +60,9 @@ from flax import nnx
 from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, check_target, compiled_memory, lower_for
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
+from bsr_jax.planning.cost import CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
-from bsr_jax.planning.microbatch import AUTO, check_microbatches
+from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 from bsr_jax.planning.result import Measured, Plan
 from bsr_jax.rewrite.rules import layer_table
@@ -111,19 +117,25 @@ class _Search:
             self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
         return self.lowered[key][0]
 
-    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain") -> Measured:
+    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain", breakdown: bool = False) -> Measured:
+        """The candidate compiled (once); ``breakdown``: with what is live at its peak and every
+        kernel named (``CompiledStep.live_at_peak``, ``kernels``), for the cost model."""
         key = (tuple(choices), rest, loss)
         if key not in self.cache and (self.scope, *key) in self.shared:
             self.cache[key] = self.shared[(self.scope, *key)]
+        if breakdown and key in self.cache and not self.cache[key][1].kernels:
+            del self.cache[key]  # compiled before without its breakdown: again, with it
         if key not in self.cache:
             program = self.program(*key)
             # Different choices can make the same program (dots_saveable where no product has batch
             # axes is dots_with_no_batch_dims_saveable): compiled once.
             same = self.programs.get(program)
-            compiled = same[1] if same else compiled_memory(self.lowered[key][1], target=self.target)
+            same = same if same and (same[1].kernels or not breakdown) else None
+            compiled = same[1] if same else compiled_memory(self.lowered[key][1], target=self.target, breakdown=breakdown)
             choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
             measured = Measured(choices_by_path, compiled.peak, compiled.modelled_seconds)
-            self.programs.setdefault(program, (measured.label, compiled))
+            if not same:
+                self.programs[program] = (measured.label, compiled)
             self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
             if self.progress:
                 # What varies in length goes last, so that every row keeps the columns.
@@ -132,6 +144,10 @@ class _Search:
                 print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
                       f"{compiled.modelled_seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
         return self.cache[key][0]
+
+    def compiled(self, measured: Measured) -> CompiledStep:
+        """The compiled step of a candidate measured before."""
+        return next(step for m, step in self.cache.values() if m is measured)
 
     def smallest(self, allowed: Callable[[tuple], bool] = lambda key: True) -> Measured:
         return min((m for key, (m, _) in self.cache.items() if allowed(key)), key=lambda m: m.peak)
@@ -253,7 +269,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
             raise ValueError("microbatches='auto' needs a flax.linen model (NNX: not yet)")
         same = dict(optimizer=optimizer, target=target, options=options, rest_options=rest_options, verify=verify, variables=variables,
                     init_args=init_args, progress=progress, cache={} if cache is None else cache, loss_chunk=loss_chunk)  # fmt: skip
-        return _fastest_count(lambda **kw: plan(model, loss_fn, *example_batch, **(same | kw)), budget, batch)
+        return fastest_count(lambda **kw: plan(model, loss_fn, *example_batch, **(same | kw)), budget, batch)
     microbatches = check_microbatches(microbatches, batch, auto=True)
     if microbatches != 1 and family_type is not Linen:
         raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
@@ -271,7 +287,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         # Remat on every block always changes the step's program: unless the loss ignores its module.
         raise ValueError(f"plan: loss_fn never applies the module it is given (remat on every block lowered to the dense step's "
                          f"program): apply its first argument, e.g. {family.loss_example}")  # fmt: skip
-    dense = search.measure(["keep"] * n, "keep")
+    dense = search.measure(["keep"] * n, "keep", breakdown=True)  # the cost model's reference where it does not fit
     limit = amount * dense.peak if kind == "fraction" else amount
 
     def infeasible(best: Measured, why: str = "") -> ValueError:
@@ -283,33 +299,81 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if search.argument_bytes > limit:
         raise infeasible(dense, f"; the step's arguments alone (parameters, optimizer state, batch) take {search.argument_bytes / 2**20:,.0f} MiB")
     names = list(dict.fromkeys(["keep", *options]))
+    variants = [(rest, loss) for rest in dict.fromkeys(["keep", *rest_options]) for loss in loss_fns]
     # Remat on every block keeps only the blocks' inputs, the least of any option (no option
-    # had a smaller peak on any model or target of docs/RESULTS.md 10.1): with the rest's and the loss's
-    # choices, it is the floor of the search, and where it does not fit nothing else is compiled.
-    remat = search.measure(["remat"] * n, "keep")
-    uniform = {"remat": remat}
-
-    def delta(rest: str, loss: str) -> tuple[int, float]:
-        """What the rest's or the loss's choice adds, measured with every block at remat."""
-        m = search.measure(["remat"] * n, rest, loss)
-        return m.peak - remat.peak, m.seconds - remat.seconds
-
-    rest_delta = {"keep": (0, 0.0)} | {rest: delta(rest, "plain") for rest in dict.fromkeys(rest_options) if rest != "keep"}
-    loss_delta = {"plain": (0, 0.0)} | ({"chunked": delta("keep", "chunked")} if "chunked" in loss_fns else {})
-    if remat.peak + min(p for p, _ in rest_delta.values()) + min(p for p, _ in loss_delta.values()) > limit:
+    # had a smaller peak on any model or target of docs/RESULTS.md 10.1): where it does not fit
+    # with the rest kept, only the rest's or the loss's other choices can make a step fit.
+    remat = search.measure(["remat"] * n, "keep", breakdown=True)
+    if remat.peak > limit and len(variants) == 1:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
-    uniform |= {name: search.measure([name] * n, "keep") for name in names}
+    try:
+        model = CostModel(blocks, search.compiled(dense), shares(search.compiled(dense), blocks))
+    except ValueError:  # the ops' names do not tell the blocks apart (flax.nnx): whole-step deltas instead
+        key = _uniform_search(search, n, names, variants, dense, remat, limit, verify, infeasible)
+    else:
+        key = _modelled_search(search, model, names, variants, remat, limit, verify, infeasible)
+    return _plan(family, search, loss_fns, key, limit, target, dense, remat)
 
-    def predicted(choices: tuple[str, ...], rest: str, loss: str) -> tuple[float, float]:
-        peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + rest_delta[rest][0] + loss_delta[loss][0]
-        seconds = dense.seconds + sum(uniform[c].seconds - dense.seconds for c in choices) / n + rest_delta[rest][1] + loss_delta[loss][1]
+
+def _modelled_search(search: _Search, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], remat: Measured,
+                     limit: float, verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
+    """The fastest compiled candidate within ``limit``, searched with the cost model
+    (``bsr_jax.planning.cost``): remat on every block and the probes measure every option and
+    variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled; the
+    budget it is solved for is then corrected by how far the compiled peak was from the predicted
+    one (down where it did not fit, up where the model was pessimistic), until ``verify``
+    candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled."""
+    n = len(model.blocks)
+    model.add((("remat",) * n, "keep", "plain"), shares(search.compiled(remat), model.blocks))
+    for key in probes(model.blocks, names, [v for v in variants if v != ("keep", "plain")]):
+        model.add(key, shares(search.compiled(search.measure(*key, breakdown=True)), model.blocks))
+    # What the rest's and the loss's choices add is the part the model sees whole (REST): exact enough
+    # to say, with remat on every block compiled, whether anything can fit.
+    keep = model.predict((("keep",) * n, "keep", "plain"))[0]
+    if remat.peak + min(model.predict((("keep",) * n, *variant))[0] - keep for variant in variants) > limit:
+        raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
+    # The first budget solved for is corrected by the error of the compiled candidate predicted
+    # nearest the limit (peaks are not additive: what a remat block recomputes is live during its
+    # backward, on top of what the blocks before it keep).
+    errors = {abs(model.predict(key)[0] - limit): m.peak - model.predict(key)[0] for key, (m, _) in search.cache.items() if model.knows(key)}
+    budget = limit - errors[min(errors)]
+    fits, tried, done = 0, 0, set()
+    while fits < verify and tried < 2 * verify:
+        key = model.solve(budget, names, variants)
+        if key is None or key in done:
+            break
+        done.add(key)
+        compiled_before = len(search.programs)
+        measured = search.measure(*key)
+        tried += len(search.programs) > compiled_before
+        fits += measured.peak <= limit
+        error = measured.peak - model.predict(key)[0]
+        if measured.peak <= limit and error >= 0:
+            break  # the model's fastest fits, and was not pessimistic: a tighter budget is no faster
+        budget = limit - error
+    return _fastest_fitting(search, names, variants, limit, infeasible)
+
+
+def _uniform_search(search: _Search, n: int, names: Sequence[str], variants: Sequence[tuple[str, str]], dense: Measured, remat: Measured,
+                    limit: float, verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
+    """The fastest compiled candidate within ``limit`` where blocks cannot be told apart in a
+    compiled step: every option on every block at once, and each (rest, loss) variant with remat on
+    every block, give what an option adds per block and a variant adds; assignments mixing at most
+    two options (the more compressing on the first blocks, whose residuals live longest), best
+    predicted first, are compiled until ``verify`` fit (or twice that many were tried)."""
+    delta = {variant: (m.peak - remat.peak, m.seconds - remat.seconds) for variant in variants
+             for m in [search.measure(["remat"] * n, *variant)]}  # fmt: skip
+    if remat.peak + min(p for p, _ in delta.values()) > limit:
+        raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
+    uniform = {name: search.measure([name] * n, "keep") for name in names}
+
+    def predicted(choices: tuple[str, ...], variant: tuple[str, str]) -> tuple[float, float]:
+        peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + delta[variant][0]
+        seconds = dense.seconds + sum(uniform[c].seconds - dense.seconds for c in choices) / n + delta[variant][1]
         return peak, seconds
 
-    assignments = {(tuple([b] * k + [a] * (n - k)), rest, loss)
-                   for a in names for b in names for k in range(n + 1) for rest in rest_delta for loss in loss_delta}  # fmt: skip
-    ranked = sorted((predicted(*a)[1], a) for a in assignments if predicted(*a)[0] <= limit and a not in search.cache)
-    # Compile the best predicted until `verify` fit (or twice that many were tried): where the
-    # linear model was optimistic, the next ones down the ranking repair it.
+    assignments = {(tuple([b] * k + [a] * (n - k)), variant) for a in names for b in names for k in range(n + 1) for variant in variants}
+    ranked = sorted((predicted(*a)[1], (a[0], *a[1])) for a in assignments if predicted(*a)[0] <= limit and (a[0], *a[1]) not in search.cache)
     fits = tried = lowered = 0
     for _, key in ranked:
         if fits >= verify or tried >= 2 * verify or lowered >= 4 * verify:
@@ -318,43 +382,21 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         fits += search.measure(*key).peak <= limit
         tried += len(search.programs) > compiled_before  # a program compiled before costs no try...
         lowered += 1  # ...but its lowering does: bounded too
-    for (scope, *key), entry in search.shared.items():  # compiled by earlier calls sharing the cache
+    return _fastest_fitting(search, names, variants, limit, infeasible)
+
+
+def _fastest_fitting(search: _Search, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,
+                     infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
+    """The fastest candidate compiled within ``limit`` whose choices are allowed, this call's and
+    those earlier calls sharing the cache compiled."""
+    for (scope, *key), entry in search.shared.items():
         if scope == search.scope:
             search.cache.setdefault(tuple(key), entry)
-    allowed = lambda key: set(key[0]) <= set(names) and key[1] in rest_delta and key[2] in loss_delta
+    allowed = lambda key: set(key[0]) <= set(names) and (key[1], key[2]) in variants  # noqa: E731
     fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]
     if not fitting:
         raise infeasible(search.smallest(allowed))
-    return _plan(family, search, loss_fns, min(fitting)[1], limit, target, dense, remat)
-
-
-def _fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any) -> Plan:
-    """``plan(microbatches="auto")``: the plan at 1 against the dense step at 2, 4, 8 micro-batches."""
-    dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
-    kind, amount = parse_budget(budget)
-    limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
-    found, refusal = [], None
-    for k in [1, *(k for k in (2, 4, 8) if _divides(k, batch))]:
-        # At k > 1 only the dense step: a micro-batched plan of blocks would multiply the search.
-        narrowed = {} if k == 1 else dict(options=["keep"], rest_options=["keep"], verify=0, loss_chunk=None)
-        try:
-            found.append(dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense))
-        except ValueError as error:
-            if "no candidate fits" not in str(error):
-                raise
-            refusal = refusal or error
-        if found and found[-1].microbatches == k and (k > 1 or found[-1].remat is None):
-            break  # the dense step fits: more slices only add steps to the loop
-    if not found:
-        raise refusal
-    return min(found, key=lambda p: p.modelled_seconds)
-
-
-def _divides(k: int, batch: Any) -> bool:
-    try:
-        return check_microbatches(k, batch) == k
-    except ValueError:
-        return False
+    return min(fitting)[1]
 
 
 def _plan(family: Family, search: _Search, loss_fns: Mapping[str, Callable[..., jax.Array]], key: tuple, limit: float, target: str,

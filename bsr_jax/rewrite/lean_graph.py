@@ -47,6 +47,8 @@ not traced (an op-by-op forward of concrete arrays, which has no backward pass) 
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import fnmatch
 from collections.abc import Callable, Sequence
@@ -348,7 +350,8 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], treatment: Treatmen
                 produced = [v not in arguments for v in ins]
                 read = _backward_reads(segment_fn, values)
                 segment_fn = stored_compressed(segment_fn, fmt, only=[p and r for p, r in zip(produced, read)], unread=[not r for r in read])
-        env.update(zip(outs, segment_fn(*values)))
+        with jax.named_scope(path) if path else contextlib.nullcontext():
+            env.update(zip(outs, segment_fn(*values)))
     return [_read(env, v) for v in jaxpr.outvars]
 
 

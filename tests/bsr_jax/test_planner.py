@@ -182,8 +182,10 @@ def test_choices_that_make_the_same_program_compile_once(compiled, capsys):
     """Net's blocks have no product with batch axes: dots_saveable keeps what
     dots_with_no_batch_dims_saveable keeps, the same lowered program, compiled once. Its progress
     row keeps the columns of the others (issue 39: 'same as ...' pushed them right)."""
-    planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.9, target="h100", cache=compiled,
-                 **(FEW | dict(options=("remat-dots", "remat-dots-all"), verify=0, progress=True)))  # fmt: skip
+    family = planner.Linen(Net(), _labels_loss, BATCH, None, None)
+    search = planner._Search(family, {"plain": _labels_loss}, BATCH, optax.adamw(1e-3), "h100", True, compiled)
+    for option in ("keep", "remat", "remat-dots", "remat-dots-all"):
+        search.measure([option] * 4, "keep")
     uniform = {key[1][0]: step for key, (_, step) in compiled.items() if key[0][0] == "h100" and len(set(key[1])) == 1 and key[2] == "keep"}
     assert uniform["remat-dots-all"] is uniform["remat-dots"]
     assert uniform["remat"] is not uniform["remat-dots"] and uniform["keep"] is not uniform["remat"]
