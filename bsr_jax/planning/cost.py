@@ -24,6 +24,7 @@ corrects the budget by the error it sees (``bsr_jax.planning.search``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -77,77 +78,146 @@ def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tup
     block and every (rest, loss) variant once: the options not ``known`` assigned to the blocks in
     turn, round after round, each round with the next variant (then the rest kept)."""
     todo = [o for o in options if o not in known]
-    rounds = max(math.ceil(len(todo) / len(blocks)), len(variants))
+    # Each option on a block CostModel learns bytes from (all but the last two), in turn.
+    learnt = max(len(blocks) - 2, 1)
+    rounds = max(math.ceil(len(todo) / learnt), len(variants))
     found = []
     for r in range(rounds):
-        choices = tuple(todo[(r * len(blocks) + i) % len(todo)] for i in range(len(blocks))) if todo else ("remat",) * len(blocks)
+        choices = tuple(todo[(r * learnt + i) % len(todo)] for i in range(len(blocks))) if todo else ("remat",) * len(blocks)
         rest, loss = variants[r] if r < len(variants) else ("keep", "plain")
         found.append((choices, rest, loss))
     return found
 
 
 class CostModel:
-    """Per (block, option) and per (rest, loss) variant, the ``Share`` measured in compiled steps
-    (averaged where several measured it), composed into a step's predicted peak and time against
-    the dense step's. A block never measured with an option takes it from the block measured with
-    it whose ``keep`` keeps the most alike, scaled by their ratio under ``keep``."""
+    """A step's peak and time composed from what its blocks keep and cost under their options.
 
-    def __init__(self, blocks: Sequence[str], dense: CompiledStep, dense_shares: Mapping[str, Share]):
+    The peak is ``max(kept + a(last), kept + kept(last) + h)``, ``kept`` the bytes the blocks
+    before the last keep (and the rest's choice adds). First term: while they hold their
+    residuals, the backward pass starts at the last block, whose own bytes and transient (what
+    remat recomputes, what host offload brings back) land there with the head's (``a``, per
+    option of the last block). Second: a peak elsewhere, where every block's residuals are live
+    with the head's backward (its logits' gradient: ``h``), which XLA schedules apart from the
+    blocks' in some steps and not in others (the 12 x 768 LM: dense peaks in the first regime,
+    every block compressed in the second). XLA names the last blocks' buffers unreliably at the
+    peak (recomputed ones can carry the previous block's name), so ``kept`` is learnt from the
+    blocks before the last two of each step measured with a breakdown; ``a`` from every compiled
+    step that had that option on the last block (its least ``peak - kept``: dense gives
+    ``keep``'s, remat on every block ``remat``'s), and an option never compiled there takes
+    ``keep``'s moved by what it keeps less; ``h`` from the compiled steps the first term does not
+    explain (the largest ``peak`` less everything the blocks keep; none: no second term).
+
+    The time is ``base + sum(time(block, option)) + rest``: the kernels' and host copies' seconds
+    of each block (added: pessimistic where copies overlap the kernels), ``base`` averaged over
+    the compiled steps. A block never measured with an option takes it from the block measured
+    with it whose ``keep`` keeps the most alike, scaled by their ratio."""
+
+    def __init__(self, blocks: Sequence[str]):
         self.blocks = tuple(blocks)
-        self.peak, self.seconds = dense.peak, dense.modelled_seconds
-        self.seen: dict[tuple[str, str], list[Share]] = {}
-        self.add((("keep",) * len(blocks), "keep", "plain"), dense_shares)
+        self.kept: dict[tuple[str, str], list[float]] = {}
+        self.time: dict[tuple[str, str], list[float]] = {}
+        self.rest: dict[str, list[Share]] = {}  # "rest/loss" -> REST's shares
+        self.steps: dict[Key, tuple[int, float]] = {}  # compiled: key -> (peak, seconds)
 
-    def add(self, key: Key, measured: Mapping[str, Share]) -> None:
+    def observe(self, key: Key, peak: int, seconds: float, measured: Mapping[str, Share] | None = None) -> None:
+        """A compiled step: its peak and time, and with ``measured`` (``shares``) what each part had."""
+        self.steps[key] = (peak, seconds)
+        if measured is None:
+            return
         choices, rest, loss = key
+        learnt = self.blocks[: max(len(self.blocks) - 2, 1)]
         for block, option in zip(self.blocks, choices):
-            self.seen.setdefault((block, option), []).append(measured[block])
-        self.seen.setdefault((REST, f"{rest}/{loss}"), []).append(measured[REST])
+            if block in learnt:
+                self.kept.setdefault((block, option), []).append(measured[block].kept)
+            self.time.setdefault((block, option), []).append(measured[block].device + measured[block].host)
+        self.rest.setdefault(f"{rest}/{loss}", []).append(measured[REST])
 
-    def share(self, part: str, option: str) -> Share:
-        found = self.seen.get((part, option))
+    def _value(self, table: dict[tuple[str, str], list[float]], block: str, option: str) -> float:
+        found = table.get((block, option))
         if found:
-            return Share(*(float(np.mean([getattr(s, f.name) for s in found])) for f in dataclasses.fields(Share)))
-        measured = [b for b in self.blocks if (b, option) in self.seen]
-        if part == REST or not measured:
-            raise KeyError(f"no compiled step measured {option!r} for {part}")
-        mine = self.share(part, "keep").kept
-        like = min(measured, key=lambda b: abs(math.log((self.share(b, "keep").kept + 1) / (mine + 1))))
-        other, ratio = self.share(like, option), (mine + 1) / (self.share(like, "keep").kept + 1)
-        return Share(other.kept * ratio, other.device * ratio, other.host * ratio)
+            return float(np.mean(found))
+        measured = [b for b in self.blocks if (b, option) in table and (b, "keep") in table]
+        if not measured:
+            raise KeyError(f"no compiled step measured {option!r} on a block")
+        if (block, "keep") not in table:  # a block not learnt from (the second-to-last): as the nearest before it
+            return float(np.mean(table[(measured[-1], option)]))
+        mine = float(np.mean(table[(block, "keep")]))
+        like = min(measured, key=lambda b: abs(math.log((np.mean(table[(b, "keep")]) + 1) / (mine + 1))))
+        return float(np.mean(table[(like, option)])) * (mine + 1) / (float(np.mean(table[(like, "keep")])) + 1)
+
+    def _rest(self, rest: str, loss: str) -> tuple[float, float]:
+        """What the rest's and the loss's choice keeps and costs beyond keep and the plain loss."""
+        a, b = self.rest[f"{rest}/{loss}"], self.rest["keep/plain"]
+        mean = lambda shares, f: float(np.mean([f(s) for s in shares]))  # noqa: E731
+        return (mean(a, lambda s: s.kept) - mean(b, lambda s: s.kept),
+                mean(a, lambda s: s.device + s.host) - mean(b, lambda s: s.device + s.host))
+
+    def _sums(self, key: Key) -> tuple[float, float]:
+        """(kept by the blocks before the last, time of every block) plus the rest's, as composed."""
+        choices, rest, loss = key
+        extra = self._rest(rest, loss)
+        kept = sum(self._value(self.kept, b, c) for b, c in zip(self.blocks[:-1], choices[:-1]))
+        return kept + extra[0], sum(self._value(self.time, b, c) for b, c in zip(self.blocks, choices)) + extra[1]
+
+    def _bases(self) -> tuple[dict[str, float], float, float]:
+        """From the compiled steps: per option of the last block, ``a`` of the peak's first term;
+        ``h`` of its second (``-inf`` until a step showed it); the time's base."""
+        seen = []
+        times = []
+        for key, (peak, seconds) in self.steps.items():
+            try:
+                kept, time = self._sums(key)
+                seen.append((key[0][-1], kept, kept + self._value(self.kept, self.blocks[-1], key[0][-1]), peak))
+            except KeyError:  # a step with an option measured nowhere else (only where nothing is learnt)
+                continue
+            times.append(seconds - time)
+        bases: dict[str, float] = {}
+        for last, before, _, peak in seen:
+            bases[last] = min(bases.get(last, math.inf), peak - before)
+        above = [peak - every for last, before, every, peak in seen if peak > before + bases[last] + 0.01 * peak]
+        return bases, max(above, default=-math.inf), float(np.mean(times)) if times else 0.0
+
+    def _base(self, bases: Mapping[str, float], option: str) -> float:
+        """``bases[option]``, or for an option no compiled step had on the last block, ``keep``'s
+        moved by what the option keeps less (as the blocks before it add)."""
+        if option in bases:
+            return bases[option]
+        last = self.blocks[-1]
+        return bases["keep"] + self._value(self.kept, last, option) - self._value(self.kept, last, "keep")
 
     def knows(self, key: Key) -> bool:
-        """Whether ``predict`` can compose ``key``: each option measured on some block, the variant measured."""
+        """Whether ``predict`` can compose ``key``: its options measured on some block, its rest
+        and loss measured."""
         choices, rest, loss = key
-        measured = {option for _, option in self.seen}
-        return set(choices) <= measured and (REST, f"{rest}/{loss}") in self.seen
-
-    def _extra(self, part: str, option: str, keep: str = "keep") -> Share:
-        """What ``option`` keeps and costs beyond ``keep`` (the dense step's choice) on ``part``."""
-        a, b = self.share(part, option), self.share(part, keep)
-        return Share(a.kept - b.kept, a.device - b.device, a.host - b.host)
+        measured = {option for _, option in self.time}
+        return set(choices) <= measured and f"{rest}/{loss}" in self.rest and "keep/plain" in self.rest
 
     def predict(self, key: Key) -> tuple[float, float]:
-        """(peak bytes, seconds) of the step ``key`` as the shares compose it. The kernels' time and
-        the host copies' are added (pessimistic where the copies overlap the kernels)."""
-        choices, rest, loss = key
-        extras = [self._extra(b, c) for b, c in zip(self.blocks, choices)] + [self._extra(REST, f"{rest}/{loss}", "keep/plain")]
-        return self.peak + sum(e.kept for e in extras), self.seconds + sum(e.device + e.host for e in extras)
+        """(peak bytes, seconds) of the step ``key`` as the model composes it."""
+        bases, h, time = self._bases()
+        kept, seconds = self._sums(key)
+        last = key[0][-1]
+        return max(kept + self._base(bases, last), kept + self._value(self.kept, self.blocks[-1], last) + h), time + seconds
 
     def solve(self, limit: float, options: Sequence[str], variants: Sequence[tuple[str, str]], resolution: int = 1024) -> Key | None:
         """The assignment of ``options`` to the blocks, with one of ``variants`` (rest, loss), of
         least predicted time whose predicted peak is at most ``limit``; None where none is."""
+        bases, h, _ = self._bases()
+        head = self.blocks[:-1]
+        weights = [[self._value(self.kept, b, o) for o in options] for b in head]
+        costs = [[self._value(self.time, b, o) for o in options] for b in head]
         best: tuple[float, Key] | None = None
-        for rest, loss in variants:
-            base = self.predict((("keep",) * len(self.blocks), rest, loss))[0]
-            table = [[self._extra(b, o) for o in options] for b in self.blocks]
-            found = knapsack([[e.kept for e in row] for row in table], [[e.device + e.host for e in row] for row in table],
-                             limit - base, resolution)  # fmt: skip
-            if found is not None:
-                key = (tuple(options[i] for i in found), rest, loss)
-                seconds = self.predict(key)[1]
-                if best is None or seconds < best[0]:
-                    best = (seconds, key)
+        for (rest, loss), last in itertools.product(variants, options):
+            extra = self._rest(rest, loss)
+            # Both terms of the peak bound what the blocks before the last may keep.
+            room = limit - extra[0] - max(self._base(bases, last), self._value(self.kept, self.blocks[-1], last) + h)
+            found = knapsack(weights, costs, room, resolution) if head else ([] if room >= 0 else None)
+            if found is None:
+                continue
+            key = (tuple(options[i] for i in found) + (last,), rest, loss)
+            seconds = self.predict(key)[1]
+            if best is None or seconds < best[0]:
+                best = (seconds, key)
         return best and best[1]
 
 

@@ -117,9 +117,11 @@ class _Search:
             self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
         return self.lowered[key][0]
 
-    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain", breakdown: bool = False) -> Measured:
+    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain", breakdown: bool = False,
+                predicted: tuple[float, float] | None = None) -> Measured:  # fmt: skip
         """The candidate compiled (once); ``breakdown``: with what is live at its peak and every
-        kernel named (``CompiledStep.live_at_peak``, ``kernels``), for the cost model."""
+        kernel named (``CompiledStep.live_at_peak``, ``kernels``), for the cost model;
+        ``predicted``: the cost model's (peak, seconds) for it, shown in the progress row."""
         key = (tuple(choices), rest, loss)
         if key not in self.cache and (self.scope, *key) in self.shared:
             self.cache[key] = self.shared[(self.scope, *key)]
@@ -140,6 +142,8 @@ class _Search:
             if self.progress:
                 # What varies in length goes last, so that every row keeps the columns.
                 how = "same program as " + same[0] if same else "compiled"
+                if predicted:
+                    how += f" (predicted {predicted[0] / 2**20:,.0f} MiB, {predicted[1] * 1e3:.2f} ms)"
                 approximate = "; approximate: " + "; ".join(measured.approximations.values()) if measured.approximations else ""
                 print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
                       f"{compiled.modelled_seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
@@ -306,8 +310,9 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     remat = search.measure(["remat"] * n, "keep", breakdown=True)
     if remat.peak > limit and len(variants) == 1:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
+    model = CostModel(blocks)
     try:
-        model = CostModel(blocks, search.compiled(dense), shares(search.compiled(dense), blocks))
+        model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks))
     except ValueError:  # the ops' names do not tell the blocks apart (flax.nnx): whole-step deltas instead
         key = _uniform_search(search, n, names, variants, dense, remat, limit, verify, infeasible)
     else:
@@ -319,38 +324,32 @@ def _modelled_search(search: _Search, model: CostModel, names: Sequence[str], va
                      limit: float, verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
     """The fastest compiled candidate within ``limit``, searched with the cost model
     (``bsr_jax.planning.cost``): remat on every block and the probes measure every option and
-    variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled; the
-    budget it is solved for is then corrected by how far the compiled peak was from the predicted
-    one (down where it did not fit, up where the model was pessimistic), until ``verify``
+    variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled, and
+    the model, calibrated by every step compiled so far, is solved again, until ``verify``
     candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled."""
     n = len(model.blocks)
-    model.add((("remat",) * n, "keep", "plain"), shares(search.compiled(remat), model.blocks))
-    for key in probes(model.blocks, names, [v for v in variants if v != ("keep", "plain")]):
-        model.add(key, shares(search.compiled(search.measure(*key, breakdown=True)), model.blocks))
+    for key in (("remat",) * n, "keep", "plain"), *probes(model.blocks, names, [v for v in variants if v != ("keep", "plain")]):
+        measured = search.measure(*key, breakdown=True)
+        model.observe(key, measured.peak, measured.seconds, shares(search.compiled(measured), model.blocks))
     # What the rest's and the loss's choices add is the part the model sees whole (REST): exact enough
     # to say, with remat on every block compiled, whether anything can fit.
-    keep = model.predict((("keep",) * n, "keep", "plain"))[0]
-    if remat.peak + min(model.predict((("keep",) * n, *variant))[0] - keep for variant in variants) > limit:
+    if remat.peak + min(model.predict((("remat",) * n, *v))[0] - model.predict((("remat",) * n, "keep", "plain"))[0] for v in variants) > limit:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
-    # The first budget solved for is corrected by the error of the compiled candidate predicted
-    # nearest the limit (peaks are not additive: what a remat block recomputes is live during its
-    # backward, on top of what the blocks before it keep).
-    errors = {abs(model.predict(key)[0] - limit): m.peak - model.predict(key)[0] for key, (m, _) in search.cache.items() if model.knows(key)}
-    budget = limit - errors[min(errors)]
-    fits, tried, done = 0, 0, set()
+    for (scope, *key), (m, _) in search.shared.items():  # what earlier calls sharing the cache compiled
+        if scope == search.scope and tuple(key) not in model.steps:
+            model.observe(tuple(key), m.peak, m.seconds)
+    fits, tried = 0, 0
     while fits < verify and tried < 2 * verify:
-        key = model.solve(budget, names, variants)
-        if key is None or key in done:
-            break
-        done.add(key)
+        key = model.solve(limit, names, variants)
+        if key is None or key in search.cache:
+            break  # nothing predicted fits, or the model's fastest was compiled already
         compiled_before = len(search.programs)
-        measured = search.measure(*key)
+        measured = search.measure(*key, predicted=model.predict(key))
+        # Each compiled step calibrates the model: its last block's option's base (peaks are not
+        # additive: XLA reschedules, and the backward's first block holds what it recomputes).
+        model.observe(key, measured.peak, measured.seconds)
         tried += len(search.programs) > compiled_before
         fits += measured.peak <= limit
-        error = measured.peak - model.predict(key)[0]
-        if measured.peak <= limit and error >= 0:
-            break  # the model's fastest fits, and was not pessimistic: a tighter budget is no faster
-        budget = limit - error
     return _fastest_fitting(search, names, variants, limit, infeasible)
 
 

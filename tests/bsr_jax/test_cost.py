@@ -78,14 +78,27 @@ def test_shares_split_a_step_by_module_path():
 
 
 def test_the_model_composes_and_solves_from_measured_shares():
-    """Two blocks: dense keeps 100 + 100 (+50 of the rest) in 1 + 1 (+1) s; remat keeps 10 per block
-    at 1.5 s. Each block's change is added to the dense step's peak and time."""
-    blocks = ["b0", "b1"]
-    dense = _step([("b0/x", 100), ("b1/x", 100), ("rest", 50)], [("b0/k", 1.0), ("b1/k", 1.0), ("rest", 1.0)], seconds=3.0)
-    model = cost.CostModel(blocks, dense, cost.shares(dense, blocks))
-    remat = _step([("b0/x", 10), ("b1/x", 10), ("rest", 50)], [("b0/k", 1.5), ("b1/k", 1.5), ("rest", 1.0)], seconds=4.0)
-    model.add((("remat", "remat"), "keep", "plain"), cost.shares(remat, blocks))
-    assert model.predict((("remat", "keep"), "keep", "plain")) == (160, 3.5)
-    assert model.solve(200, ["keep", "remat"], [("keep", "plain")]) in {(("remat", "keep"), "keep", "plain"), (("keep", "remat"), "keep", "plain")}
-    assert model.solve(100, ["keep", "remat"], [("keep", "plain")]) == (("remat", "remat"), "keep", "plain")
-    assert model.solve(60, ["keep", "remat"], [("keep", "plain")]) is None
+    """Four blocks: dense keeps 100 per block (+50 of the rest), 1 s each (+1 s); remat keeps 10 per
+    block at 1.5 s, and its last block recomputes 90 at the peak. The blocks before the last add
+    their bytes to the last block's option's base; each compiled step calibrates that base."""
+    blocks = ["b0", "b1", "b2", "b3"]
+    model = cost.CostModel(blocks)
+    keep, remat = (("keep",) * 4, "keep", "plain"), (("remat",) * 4, "keep", "plain")
+    dense = _step([(f"{b}/x", 100) for b in blocks] + [("rest", 50)], [(f"{b}/k", 1.0) for b in blocks] + [("rest", 1.0)], seconds=5.0)
+    model.observe(keep, dense.peak, 5.0, cost.shares(dense, blocks))
+    step = _step([(f"{b}/x", 10) for b in blocks[:3]] + [("b3/x", 100), ("rest", 50)],
+                 [(f"{b}/k", 1.5) for b in blocks] + [("rest", 1.0)], seconds=7.0)  # fmt: skip
+    model.observe(remat, step.peak, 7.0, cost.shares(step, blocks))
+    assert model.predict(keep) == (450, 5.0) and model.predict(remat) == (180, 7.0)
+    # Remat on the first two blocks: the last keeps, so the peak is dense's less 2 x 90.
+    assert model.predict((("remat", "remat", "keep", "keep"), "keep", "plain")) == (270, 6.0)
+    assert model.solve(300, ["keep", "remat"], [("keep", "plain")]) == (("remat", "remat", "keep", "keep"), "keep", "plain")
+    # The last block recomputing holds as much as keeping: remat there would only cost time.
+    assert model.solve(180, ["keep", "remat"], [("keep", "plain")]) == (("remat", "remat", "remat", "keep"), "keep", "plain")
+    assert model.solve(170, ["keep", "remat"], [("keep", "plain")]) is None
+    # Compiled, that plan peaked at 290, not 270: a peak the first term does not explain, 70 above
+    # everything the blocks keep (the head's backward with every residual live): a second term for
+    # every step (for dense a bound 20 above its compiled peak; remat's first term stays larger).
+    model.observe((("remat", "remat", "keep", "keep"), "keep", "plain"), 290, 6.0)
+    assert model.predict((("remat", "remat", "keep", "keep"), "keep", "plain"))[0] == 290
+    assert model.predict(keep)[0] == 470 and model.predict(remat)[0] == 180
