@@ -52,8 +52,10 @@ def shares(step: CompiledStep, blocks: Sequence[str]) -> dict[str, Share]:
     rest: embeddings, head, loss, optimizer update, parameters and optimizer state). Kernel times
     are scaled to add up to ``step.modelled_seconds`` (on TPU, XLA's model rather than the
     roofline's). A ``ValueError`` where some block owns no kernel: its ops' names do not carry
-    its path (``flax.nnx`` modules push no name scope), so nothing can be told per block."""
-    pattern = re.compile(r"(?:^|/)(" + "|".join(re.escape(b) for b in sorted(blocks, key=len, reverse=True)) + r")(?:/|$)")
+    its path (linen modules push their names; ``bsr_jax.planning.nnx`` runs NNX blocks in a
+    ``jax.named_scope`` of theirs), so nothing can be told per block."""
+    # A path stands between slashes, or inside a transform's parentheses (``transpose(jvp(blocks/3))``).
+    pattern = re.compile(r"(?:^|[/(])(" + "|".join(re.escape(b) for b in sorted(blocks, key=len, reverse=True)) + r")(?:[/)]|$)")
 
     def owner(op: str) -> str:
         found = pattern.search(op)
@@ -68,7 +70,8 @@ def shares(step: CompiledStep, blocks: Sequence[str]) -> dict[str, Share]:
         host[owner(copy.op)] = host.get(owner(copy.op), 0.0) + copy.seconds
     missing = [b for b in blocks if not device.get(b)]
     if missing:
-        raise ValueError(f"no kernel of the compiled step names block(s) {missing[:3]} in its op names")
+        raise ValueError(f"plan: no kernel of the compiled step names block(s) {missing[:3]} in its op names: the cost model tells "
+                         "blocks apart by the module path in them")  # fmt: skip
     scale = step.modelled_seconds / step.roofline_seconds if step.roofline_seconds else 1.0
     return {part: Share(kept.get(part, 0), device.get(part, 0.0) * scale, host.get(part, 0.0) * scale) for part in (*blocks, REST)}
 

@@ -96,6 +96,19 @@ def _remat(block: nnx.Module, policy: Callable[..., bool] | None) -> None:
     block.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
 
 
+def _scoped(block: nnx.Module, path: str) -> None:
+    """``block``, in place, running in ``jax.named_scope(path)``: NNX modules push no name scope
+    of their own, and the cost model (``bsr_jax.planning.cost.shares``) tells a compiled step's
+    buffers and kernels apart by the module path in their op names. Values are unchanged."""
+    base = type(block)
+
+    def __call__(self, *args, **kwargs):
+        with jax.named_scope(path):
+            return base.__call__(self, *args, **kwargs)
+
+    block.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+
+
 class Nnx:
     """An NNX model for ``plan`` (a ``bsr_jax.planning.search.Family``); its state is ``nnx.state(model)``."""
 
@@ -127,6 +140,7 @@ class Nnx:
             option = OPTIONS[name]
             if option.remat:
                 _remat(modules[block], option.policy)
+            _scoped(modules[block], block)
             # Every block its own rule, exact ones too: the rest's rule is for what lies outside.
             if block in self.with_layers:
                 rules.append(Rule(f"{block}/*", option.compression))

@@ -24,10 +24,6 @@ How it searches, in compiles (each cached by its choices):
    error between its compiled and predicted peaks, until ``verify`` candidates fit or the model's
    best was compiled already. The fastest compiled candidate within budget is returned.
 
-Where a compiled step's op names do not tell the blocks apart (``flax.nnx`` modules push no name
-scope), step 3 is the whole-step search instead: every option on every block at once, each
-option's per-block delta taken as alike, and assignments mixing two options ranked by them.
-
 Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
 uncompiled: a plan's peak and time are those of its own compiled step. Only exact options are
 searched unless asked for: approximate ones (``int8``/``int4`` dW, ``int4-dx8`` dx, ``topk``, a rest
@@ -311,12 +307,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if remat.peak > limit and len(variants) == 1:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
     model = CostModel(blocks)
-    try:
-        model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks))
-    except ValueError:  # the ops' names do not tell the blocks apart (flax.nnx): whole-step deltas instead
-        key = _uniform_search(search, n, names, variants, dense, remat, limit, verify, infeasible)
-    else:
-        key = _modelled_search(search, model, names, variants, remat, limit, verify, infeasible)
+    model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks))
+    key = _modelled_search(search, model, names, variants, remat, limit, verify, infeasible)
     return _plan(family, search, loss_fns, key, limit, target, dense, remat)
 
 
@@ -350,37 +342,6 @@ def _modelled_search(search: _Search, model: CostModel, names: Sequence[str], va
         model.observe(key, measured.peak, measured.seconds)
         tried += len(search.programs) > compiled_before
         fits += measured.peak <= limit
-    return _fastest_fitting(search, names, variants, limit, infeasible)
-
-
-def _uniform_search(search: _Search, n: int, names: Sequence[str], variants: Sequence[tuple[str, str]], dense: Measured, remat: Measured,
-                    limit: float, verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
-    """The fastest compiled candidate within ``limit`` where blocks cannot be told apart in a
-    compiled step: every option on every block at once, and each (rest, loss) variant with remat on
-    every block, give what an option adds per block and a variant adds; assignments mixing at most
-    two options (the more compressing on the first blocks, whose residuals live longest), best
-    predicted first, are compiled until ``verify`` fit (or twice that many were tried)."""
-    delta = {variant: (m.peak - remat.peak, m.seconds - remat.seconds) for variant in variants
-             for m in [search.measure(["remat"] * n, *variant)]}  # fmt: skip
-    if remat.peak + min(p for p, _ in delta.values()) > limit:
-        raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
-    uniform = {name: search.measure([name] * n, "keep") for name in names}
-
-    def predicted(choices: tuple[str, ...], variant: tuple[str, str]) -> tuple[float, float]:
-        peak = dense.peak + sum(uniform[c].peak - dense.peak for c in choices) / n + delta[variant][0]
-        seconds = dense.seconds + sum(uniform[c].seconds - dense.seconds for c in choices) / n + delta[variant][1]
-        return peak, seconds
-
-    assignments = {(tuple([b] * k + [a] * (n - k)), variant) for a in names for b in names for k in range(n + 1) for variant in variants}
-    ranked = sorted((predicted(*a)[1], (a[0], *a[1])) for a in assignments if predicted(*a)[0] <= limit and (a[0], *a[1]) not in search.cache)
-    fits = tried = lowered = 0
-    for _, key in ranked:
-        if fits >= verify or tried >= 2 * verify or lowered >= 4 * verify:
-            break
-        compiled_before = len(search.programs)
-        fits += search.measure(*key).peak <= limit
-        tried += len(search.programs) > compiled_before  # a program compiled before costs no try...
-        lowered += 1  # ...but its lowering does: bounded too
     return _fastest_fitting(search, names, variants, limit, infeasible)
 
 

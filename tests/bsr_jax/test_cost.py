@@ -64,11 +64,13 @@ def _step(live, kernels, seconds, roofline_seconds=None):
 
 
 def test_shares_split_a_step_by_module_path():
-    """``block_1`` is not ``block_10``'s prefix; anything outside the blocks is the rest's; times are
-    scaled to the step's modelled time (XLA:TPU's, against the roofline's)."""
+    """``block_1`` is not ``block_10``'s prefix; a path inside a transform's parentheses (a named
+    scope: NNX's blocks) counts; anything outside the blocks is the rest's; times are scaled to the
+    step's modelled time (XLA:TPU's, against the roofline's)."""
     blocks = [f"block_{i}" for i in (1, 10)]
     step = _step([("jvp(M)/block_1/fc/dot", 100), ("jvp(M)/block_10/fc/dot", 30), ("opt_state[0].mu", 7)],
-                 [("transpose(jvp(M))/block_1/fc/dot", 2.0), ("jvp(M)/block_10/fc/dot", 1.0), ("head/dot", 1.0)], seconds=8.0,
+                 [("transpose(jvp(M))/block_1/fc/dot", 1.0), ("transpose(jvp(block_1))/dot", 1.0), ("jvp(M)/block_10/fc/dot", 1.0),
+                  ("head/dot", 1.0)], seconds=8.0,
                  roofline_seconds=4.0)  # fmt: skip
     found = cost.shares(step, blocks)
     assert found["block_1"] == cost.Share(100, 4.0, 0.0) and found["block_10"] == cost.Share(30, 2.0, 0.0)
