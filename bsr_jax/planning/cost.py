@@ -110,15 +110,16 @@ class CostModel:
     ``keep``'s moved by what it keeps less; ``h`` from the compiled steps the first term does not
     explain (the largest ``peak`` less everything the blocks keep; none: no second term).
 
-    The time is ``base + sum(time(block, option)) + rest``: the kernels' and host copies' seconds
-    of each block (added: pessimistic where copies overlap the kernels), ``base`` averaged over
-    the compiled steps. A block never measured with an option takes it from the block measured
-    with it whose ``keep`` keeps the most alike, scaled by their ratio."""
+    The time is ``base + max(kernels, host copies)``, each the seconds of every block's option
+    and the rest's summed (the roofline's step is the larger: host copies overlap the kernels),
+    ``base`` averaged over the compiled steps. A block never measured with an option takes it
+    from the block measured with it whose ``keep`` keeps the most alike, scaled by their ratio."""
 
     def __init__(self, blocks: Sequence[str]):
         self.blocks = tuple(blocks)
         self.kept: dict[tuple[str, str], list[float]] = {}
-        self.time: dict[tuple[str, str], list[float]] = {}
+        self.device: dict[tuple[str, str], list[float]] = {}  # the kernels' seconds
+        self.host: dict[tuple[str, str], list[float]] = {}  # the host copies' seconds
         self.rest: dict[str, list[Share]] = {}  # "rest/loss" -> REST's shares
         self.steps: dict[Key, tuple[int, float]] = {}  # compiled: key -> (peak, seconds)
 
@@ -132,7 +133,8 @@ class CostModel:
         for block, option in zip(self.blocks, choices):
             if block in learnt:
                 self.kept.setdefault((block, option), []).append(measured[block].kept)
-            self.time.setdefault((block, option), []).append(measured[block].device + measured[block].host)
+            self.device.setdefault((block, option), []).append(measured[block].device)
+            self.host.setdefault((block, option), []).append(measured[block].host)
         self.rest.setdefault(f"{rest}/{loss}", []).append(measured[REST])
 
     def _value(self, table: dict[tuple[str, str], list[float]], block: str, option: str) -> float:
@@ -148,19 +150,21 @@ class CostModel:
         like = min(measured, key=lambda b: abs(math.log((np.mean(table[(b, "keep")]) + 1) / (mine + 1))))
         return float(np.mean(table[(like, option)])) * (mine + 1) / (float(np.mean(table[(like, "keep")])) + 1)
 
-    def _rest(self, rest: str, loss: str) -> tuple[float, float]:
-        """What the rest's and the loss's choice keeps and costs beyond keep and the plain loss."""
+    def _rest(self, rest: str, loss: str) -> tuple[float, float, float]:
+        """What the rest's and the loss's choice keeps, and its kernels' and host copies' seconds,
+        beyond keep and the plain loss."""
         a, b = self.rest[f"{rest}/{loss}"], self.rest["keep/plain"]
-        mean = lambda shares, f: float(np.mean([f(s) for s in shares]))  # noqa: E731
-        return (mean(a, lambda s: s.kept) - mean(b, lambda s: s.kept),
-                mean(a, lambda s: s.device + s.host) - mean(b, lambda s: s.device + s.host))
+        return tuple(float(np.mean([getattr(s, f) for s in a]) - np.mean([getattr(s, f) for s in b])) for f in ("kept", "device", "host"))
 
-    def _sums(self, key: Key) -> tuple[float, float]:
-        """(kept by the blocks before the last, time of every block) plus the rest's, as composed."""
+    def _sums(self, key: Key) -> tuple[float, float, float]:
+        """(kept by the blocks before the last, kernel seconds and host seconds of every block),
+        the rest's choice's included."""
         choices, rest, loss = key
         extra = self._rest(rest, loss)
         kept = sum(self._value(self.kept, b, c) for b, c in zip(self.blocks[:-1], choices[:-1]))
-        return kept + extra[0], sum(self._value(self.time, b, c) for b, c in zip(self.blocks, choices)) + extra[1]
+        device = sum(self._value(self.device, b, c) for b, c in zip(self.blocks, choices))
+        host = sum(self._value(self.host, b, c) for b, c in zip(self.blocks, choices))
+        return kept + extra[0], device + extra[1], host + extra[2]
 
     def _bases(self) -> tuple[dict[str, float], float, float]:
         """From the compiled steps: per option of the last block, ``a`` of the peak's first term;
@@ -169,11 +173,11 @@ class CostModel:
         times = []
         for key, (peak, seconds) in self.steps.items():
             try:
-                kept, time = self._sums(key)
+                kept, device, host = self._sums(key)
                 seen.append((key[0][-1], kept, kept + self._value(self.kept, self.blocks[-1], key[0][-1]), peak))
             except KeyError:  # a step with an option measured nowhere else (only where nothing is learnt)
                 continue
-            times.append(seconds - time)
+            times.append(seconds - max(device, host))
         bases: dict[str, float] = {}
         for last, before, _, peak in seen:
             bases[last] = min(bases.get(last, math.inf), peak - before)
@@ -192,15 +196,16 @@ class CostModel:
         """Whether ``predict`` can compose ``key``: its options measured on some block, its rest
         and loss measured."""
         choices, rest, loss = key
-        measured = {option for _, option in self.time}
+        measured = {option for _, option in self.device}
         return set(choices) <= measured and f"{rest}/{loss}" in self.rest and "keep/plain" in self.rest
 
     def predict(self, key: Key) -> tuple[float, float]:
         """(peak bytes, seconds) of the step ``key`` as the model composes it."""
         bases, h, time = self._bases()
-        kept, seconds = self._sums(key)
+        kept, device, host = self._sums(key)
         last = key[0][-1]
-        return max(kept + self._base(bases, last), kept + self._value(self.kept, self.blocks[-1], last) + h), time + seconds
+        # The host copies overlap the kernels (the roofline's step is the larger of the two).
+        return max(kept + self._base(bases, last), kept + self._value(self.kept, self.blocks[-1], last) + h), time + max(device, host)
 
     def solve(self, limit: float, options: Sequence[str], variants: Sequence[tuple[str, str]], resolution: int = 1024) -> Key | None:
         """The assignment of ``options`` to the blocks, with one of ``variants`` (rest, loss), of
@@ -208,7 +213,9 @@ class CostModel:
         bases, h, _ = self._bases()
         head = self.blocks[:-1]
         weights = [[self._value(self.kept, b, o) for o in options] for b in head]
-        costs = [[self._value(self.time, b, o) for o in options] for b in head]
+        # Ranked by kernels and host copies added (the sum the knapsack can carry; pessimistic for
+        # offloading), then the best per last option and variant by the predicted time.
+        costs = [[self._value(self.device, b, o) + self._value(self.host, b, o) for o in options] for b in head]
         best: tuple[float, Key] | None = None
         for (rest, loss), last in itertools.product(variants, options):
             extra = self._rest(rest, loss)
