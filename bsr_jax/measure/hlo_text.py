@@ -119,7 +119,8 @@ def op_names(computations: dict[str, list[Instr]]) -> dict[str, str]:
     """Instruction name -> the ``op_name`` of its metadata (the JAX name stack: module path
     included). A fusion or call XLA built without one takes that of the last instruction of the
     computation it calls that has one (its root, where named), so that every kernel of a program
-    (``fusion.926``) can be told apart by the module that produced it."""
+    (``fusion.926``) can be told apart by the module that produced it; a copy XLA inserted without
+    one (host offload's ``copy-start``) takes its operand's."""
     names = {i.name: m.group(1) for instrs in computations.values() for i in instrs if (m := re.search(r'op_name="([^"]*)"', i.attrs))}
     for instrs in computations.values():
         for i in instrs:
@@ -129,4 +130,10 @@ def op_names(computations: dict[str, list[Instr]]) -> dict[str, str]:
                     if named:
                         names[i.name] = named[-1]
                         break
+            # A copy XLA inserted (host offload's copy-start/-done) moves what its operand's op made.
+            if i.name not in names and i.opcode in _MOVES and i.operands and i.operands[0] in names:
+                names[i.name] = names[i.operands[0]]
     return names
+
+
+_MOVES = {"copy", "copy-start", "copy-done", "bitcast", "get-tuple-element"}
