@@ -47,11 +47,11 @@ class Share:
     host: float = 0.0
 
 
-def shares(step: CompiledStep, blocks: Sequence[str]) -> dict[str, Share]:
+def shares(step: CompiledStep, blocks: Sequence[str], seconds: float | None = None) -> dict[str, Share]:
     """Each block's ``Share`` of a step compiled with ``breakdown=True``, and ``REST``'s (all the
     rest: embeddings, head, loss, optimizer update, parameters and optimizer state). Kernel times
-    are scaled to add up to ``step.modelled_seconds`` (on TPU, XLA's model rather than the
-    roofline's). A ``ValueError`` where some block owns no kernel: its ops' names do not carry
+    are scaled to add up to ``seconds`` (default ``step.modelled_seconds``: on TPU, XLA's model
+    rather than the roofline's). A ``ValueError`` where some block owns no kernel: its ops' names do not carry
     its path (linen modules push their names; ``bsr_jax.planning.nnx`` runs NNX blocks in a
     ``jax.named_scope`` of theirs), so nothing can be told per block."""
     # A path stands between slashes, or inside a transform's parentheses (``transpose(jvp(blocks/3))``).
@@ -72,7 +72,8 @@ def shares(step: CompiledStep, blocks: Sequence[str]) -> dict[str, Share]:
     if missing:
         raise ValueError(f"plan: no kernel of the compiled step names block(s) {missing[:3]} in its op names: the cost model tells "
                          "blocks apart by the module path in them")  # fmt: skip
-    scale = step.modelled_seconds / step.roofline_seconds if step.roofline_seconds else 1.0
+    seconds = step.modelled_seconds if seconds is None else seconds
+    scale = seconds / step.roofline_seconds if step.roofline_seconds else 1.0
     return {part: Share(kept.get(part, 0), device.get(part, 0.0) * scale, host.get(part, 0.0) * scale) for part in (*blocks, REST)}
 
 

@@ -94,6 +94,7 @@ class _Search:
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+        self.timed: dict[str, float] = {}  # "scale": XLA:TPU's modelled time over the roofline's, of the first step it timed
         self.lowered: dict[tuple, tuple[str, Any]] = {}  # choices -> (the lowered program's hash, lowered)
         self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
         # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
@@ -131,7 +132,12 @@ class _Search:
             same = same if same and (same[1].kernels or not breakdown) else None
             compiled = same[1] if same else compiled_memory(self.lowered[key][1], target=self.target, breakdown=breakdown)
             choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
-            measured = Measured(choices_by_path, compiled.peak, compiled.modelled_seconds)
+            seconds, untimed = compiled.modelled_seconds, compiled.modelled_seconds is None
+            if untimed:  # XLA:TPU's cost model cannot time some programs: the roofline's, as the steps it timed compare
+                seconds = compiled.roofline_seconds * self.timed.get("scale", 1.0)
+            elif compiled.roofline_seconds:
+                self.timed.setdefault("scale", seconds / compiled.roofline_seconds)
+            measured = Measured(choices_by_path, compiled.peak, seconds)
             if not same:
                 self.programs[program] = (measured.label, compiled)
             self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
@@ -140,9 +146,11 @@ class _Search:
                 how = "same program as " + same[0] if same else "compiled"
                 if predicted:
                     how += f" (predicted {predicted[0] / 2**20:,.0f} MiB, {predicted[1] * 1e3:.2f} ms)"
+                if untimed:
+                    how += " (time: the roofline's, scaled as XLA's model timed the first step; XLA's cannot time this one)"
                 approximate = "; approximate: " + "; ".join(measured.approximations.values()) if measured.approximations else ""
                 print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
-                      f"{compiled.modelled_seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
+                      f"{seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
         return self.cache[key][0]
 
     def compiled(self, measured: Measured) -> CompiledStep:
@@ -307,7 +315,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if remat.peak > limit and len(variants) == 1:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
     model = CostModel(blocks)
-    model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks))
+    model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks, dense.seconds))
     key = _modelled_search(search, model, names, variants, remat, limit, verify, infeasible)
     return _plan(family, search, loss_fns, key, limit, target, dense, remat)
 
@@ -322,7 +330,7 @@ def _modelled_search(search: _Search, model: CostModel, names: Sequence[str], va
     n = len(model.blocks)
     for key in (("remat",) * n, "keep", "plain"), *probes(model.blocks, names, [v for v in variants if v != ("keep", "plain")]):
         measured = search.measure(*key, breakdown=True)
-        model.observe(key, measured.peak, measured.seconds, shares(search.compiled(measured), model.blocks))
+        model.observe(key, measured.peak, measured.seconds, shares(search.compiled(measured), model.blocks, measured.seconds))
     # What the rest's and the loss's choices add is the part the model sees whole (REST): exact enough
     # to say, with remat on every block compiled, whether anything can fit.
     if remat.peak + min(model.predict((("remat",) * n, *v))[0] - model.predict((("remat",) * n, "keep", "plain"))[0] for v in variants) > limit:
