@@ -12,13 +12,13 @@ choices one per probe. Measured on the 12 x 768 LM (H100): the per-block figures
 those of the step with that option on every block (time identical to the microsecond, bytes to
 2-4% of the uniform step's peak).
 
-``CostModel.predict`` composes a step from them: the dense step's peak and time, plus, per block,
-what its option keeps and costs beyond ``keep`` (and the same for the rest and the loss).
-``CostModel.solve`` finds the assignment with the least predicted time whose predicted peak fits:
-a multiple-choice knapsack, solved exactly by dynamic programming over the blocks with each
-block's bytes rounded up to 1/``resolution`` of the free budget. Peaks are not additive (XLA
-reschedules; remat's recomputation is transient), so ``plan`` compiles what this predicts and
-corrects the budget by the error it sees (``bsr_jax.planning.search``).
+``CostModel.predict`` composes a step from them (its docstring says how the peak's two terms and
+the time are put together) and is calibrated by every step compiled. ``CostModel.solve`` finds the
+assignment with the least predicted time whose predicted peak fits: a multiple-choice knapsack,
+solved exactly by dynamic programming over the blocks with each block's bytes rounded up to
+1/``resolution`` of the free budget. Peaks are not additive (XLA reschedules; remat's
+recomputation is transient), so ``plan`` compiles what this predicts, recalibrates and solves
+again (``bsr_jax.planning.search``).
 """
 
 from __future__ import annotations

@@ -223,7 +223,10 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         ``"lean"``); ``"keep"`` is always included. Default: the exact ones (``int4`` is not).
       approximate: with the default ``options``/``rest_options``, also search the approximate ones
         (int8/int4 storage, top-k, approximate dx: gradients change within docs/memory.md's bounds).
-      verify: how many mixed assignments, best predicted first, are compiled.
+      verify: how many of the cost model's candidates that fit the budget are compiled at most
+        (each compile recalibrates the model; at most twice as many tried; it stops sooner where
+        the model's fastest was compiled already). 0: only the dense step, remat on every block
+        and the probes are candidates.
       variables: (linen) the model's variables (arrays or ``ShapeDtypeStruct``s); default: the
         abstract ``model.init(key, *init_args)``, ``init_args`` defaulting to ``example_batch[:1]``
         (a model whose ``__call__`` needs more, such as ``train=``, needs ``variables``).
