@@ -20,9 +20,9 @@ How it searches, in compiles (each cached by its choices):
    under each option; "probes", steps whose blocks take the other options in turn (one step for
    up to as many options as there are blocks), measure the rest, with each choice for the rest and
    the loss. ``CostModel.solve`` finds the assignment (any option on any block) of least predicted
-   time whose predicted peak fits; it is compiled, and the budget solved for is corrected by the
-   error between its compiled and predicted peaks, until ``verify`` candidates fit or the model's
-   best was compiled already. The fastest compiled candidate within budget is returned.
+   time whose predicted peak fits; it is compiled, the model recalibrated with it and solved
+   again, until ``verify`` candidates fit or the model's best was compiled already. The fastest
+   compiled candidate within budget is returned.
 
 Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
 uncompiled: a plan's peak and time are those of its own compiled step. Only exact options are
