@@ -180,8 +180,8 @@ ENTRY %main (a: f32[1000]) -> f32[1000] {
 
 def test_a_host_copy_takes_the_name_of_what_it_moves():
     """Host offload's copies carry no op name of their own: they take their operand's, so the cost
-    model charges the host link's time to the block whose activation moves (RESULTS 12.2: ResNet-50's
-    offloaded steps were predicted 35% fast while the copies went unowned)."""
+    model (``bsr_jax.planning.cost.shares``) charges the host link's time to the block whose
+    activation moves."""
     (out, back) = sorted(rl.roofline(OFFLOADED, TOY).transfers, key=lambda k: k.name)
     assert out.name == "copy" and back.name == "copy-start"
     assert out.op == back.op == "jit(f)/block3/tanh" and out.seconds == back.seconds == 4000 / TOY.host_bytes_per_s
