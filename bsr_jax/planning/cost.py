@@ -147,9 +147,11 @@ class CostModel:
             raise KeyError(f"no compiled step measured {option!r} on a block")
         if (block, "keep") not in table:  # a block not learnt from (the second-to-last): as the nearest before it
             return float(np.mean(table[(measured[-1], option)]))
-        mine = float(np.mean(table[(block, "keep")]))
-        like = min(measured, key=lambda b: abs(math.log((np.mean(table[(b, "keep")]) + 1) / (mine + 1))))
-        return float(np.mean(table[(like, option)])) * (mine + 1) / (float(np.mean(table[(like, "keep")])) + 1)
+        keep = {b: float(np.mean(table[(b, "keep")])) for b in [*measured, block]}
+        # The nearest block by its keep figure (bytes or seconds: scale-free), and their ratio.
+        tiny = 1e-9 * max(keep.values(), default=0.0) or 1e-30
+        like = min(measured, key=lambda b: abs(math.log((keep[b] + tiny) / (keep[block] + tiny))))
+        return float(np.mean(table[(like, option)])) * (keep[block] + tiny) / (keep[like] + tiny)
 
     def _rest(self, rest: str, loss: str) -> tuple[float, float, float]:
         """What the rest's and the loss's choice keeps, and its kernels' and host copies' seconds,

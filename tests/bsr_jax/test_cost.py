@@ -104,3 +104,17 @@ def test_the_model_composes_and_solves_from_measured_shares():
     model.observe((("remat", "remat", "keep", "keep"), "keep", "plain"), 290, 6.0)
     assert model.predict((("remat", "remat", "keep", "keep"), "keep", "plain"))[0] == 290
     assert model.predict(keep)[0] == 470 and model.predict(remat)[0] == 180
+
+
+def test_a_block_never_measured_with_an_option_takes_it_scaled_from_the_nearest_that_was():
+    """Blocks of different sizes (ResNet's stages): an option measured on a small block is scaled to
+    a large one by their keep figures, bytes and seconds alike (a ratio taken as 1 for seconds made
+    ResNet-50's predicted step times 17-35% short)."""
+    blocks = ["big", "small", "b2", "b3"]
+    model = cost.CostModel(blocks)
+    shares = {"big": cost.Share(400, 4e-3), "small": cost.Share(100, 1e-3), "b2": cost.Share(100, 1e-3), "b3": cost.Share(100, 1e-3),
+              REST: cost.Share(0, 0.0)}  # fmt: skip
+    model.observe((("keep",) * 4, "keep", "plain"), 700, 7e-3, shares)
+    model.observe((("keep", "remat", "keep", "keep"), "keep", "plain"), 650, 7.5e-3, shares | {"small": cost.Share(50, 1.5e-3)})
+    assert model._value(model.kept, "big", "remat") == pytest.approx(200)
+    assert model._value(model.device, "big", "remat") == pytest.approx(6e-3)
