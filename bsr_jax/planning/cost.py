@@ -195,13 +195,6 @@ class CostModel:
         last = self.blocks[-1]
         return bases["keep"] + self._value(self.kept, last, option) - self._value(self.kept, last, "keep")
 
-    def knows(self, key: Key) -> bool:
-        """Whether ``predict`` can compose ``key``: its options measured on some block, its rest
-        and loss measured."""
-        choices, rest, loss = key
-        measured = {option for _, option in self.device}
-        return set(choices) <= measured and f"{rest}/{loss}" in self.rest and "keep/plain" in self.rest
-
     def predict(self, key: Key) -> tuple[float, float]:
         """(peak bytes, seconds) of the step ``key`` as the model composes it."""
         bases, h, time = self._bases()
