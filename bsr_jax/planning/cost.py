@@ -61,13 +61,16 @@ def shares(step: CompiledStep, blocks: Sequence[str], seconds: float | None = No
         found = pattern.search(op)
         return found.group(1) if found else REST
 
-    kept, device, host = {}, {}, {}
-    for buffer in step.live_at_peak:
-        kept[owner(buffer.op)] = kept.get(owner(buffer.op), 0) + buffer.bytes
-    for kernel in step.kernels:
-        device[owner(kernel.op)] = device.get(owner(kernel.op), 0.0) + kernel.seconds
-    for copy in step.transfers:
-        host[owner(copy.op)] = host.get(owner(copy.op), 0.0) + copy.seconds
+    def by_owner(items, amount) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for item in items:
+            part = owner(item.op)
+            totals[part] = totals.get(part, 0) + amount(item)
+        return totals
+
+    kept = by_owner(step.live_at_peak, lambda buffer: buffer.bytes)
+    device = by_owner(step.kernels, lambda kernel: kernel.seconds)
+    host = by_owner(step.transfers, lambda copy: copy.seconds)
     missing = [b for b in blocks if not device.get(b)]
     if missing:
         raise ValueError(f"plan: no kernel of the compiled step names block(s) {missing[:3]} in its op names: the cost model tells "
@@ -77,13 +80,19 @@ def shares(step: CompiledStep, blocks: Sequence[str], seconds: float | None = No
     return {part: Share(kept.get(part, 0), device.get(part, 0.0) * scale, host.get(part, 0.0) * scale) for part in (*blocks, REST)}
 
 
+def learnt_blocks(n: int) -> int:
+    """How many of ``n`` blocks, the first, ``CostModel`` learns bytes from: all but the last two
+    (XLA names the last blocks' buffers at the peak unreliably), at least one."""
+    return max(n - 2, 1)
+
+
 def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tuple[str, str]], known: Sequence[str] = ("keep", "remat")) -> list[Key]:
     """Steps that, with the dense one and remat on every block, measure every option on some
     block and every (rest, loss) variant once: the options not ``known`` assigned to the blocks in
     turn, round after round, each round with the next variant (then the rest kept)."""
     todo = [o for o in options if o not in known]
-    # Each option on a block CostModel learns bytes from (all but the last two), in turn.
-    learnt = max(len(blocks) - 2, 1)
+    # Each option on a block CostModel learns bytes from, in turn.
+    learnt = learnt_blocks(len(blocks))
     rounds = max(math.ceil(len(todo) / learnt), len(variants))
     found = []
     for r in range(rounds):
@@ -130,7 +139,7 @@ class CostModel:
         if measured is None:
             return
         choices, rest, loss = key
-        learnt = self.blocks[: max(len(self.blocks) - 2, 1)]
+        learnt = self.blocks[: learnt_blocks(len(self.blocks))]
         for block, option in zip(self.blocks, choices):
             if block in learnt:
                 self.kept.setdefault((block, option), []).append(measured[block].kept)
@@ -195,9 +204,10 @@ class CostModel:
         last = self.blocks[-1]
         return bases["keep"] + self._value(self.kept, last, option) - self._value(self.kept, last, "keep")
 
-    def predict(self, key: Key) -> tuple[float, float]:
-        """(peak bytes, seconds) of the step ``key`` as the model composes it."""
-        bases, h, time = self._bases()
+    def predict(self, key: Key, bases: tuple[dict[str, float], float, float] | None = None) -> tuple[float, float]:
+        """(peak bytes, seconds) of the step ``key`` as the model composes it (``bases``: ``_bases()``,
+        where the caller has them)."""
+        bases, h, time = bases or self._bases()
         kept, device, host = self._sums(key)
         last = key[0][-1]
         # The host copies overlap the kernels (the roofline's step is the larger of the two).
@@ -206,7 +216,8 @@ class CostModel:
     def solve(self, limit: float, options: Sequence[str], variants: Sequence[tuple[str, str]], resolution: int = 1024) -> Key | None:
         """The assignment of ``options`` to the blocks, with one of ``variants`` (rest, loss), of
         least predicted time whose predicted peak is at most ``limit``; None where none is."""
-        bases, h, _ = self._bases()
+        fitted = self._bases()
+        bases, h, _ = fitted
         head = self.blocks[:-1]
         weights = [[self._value(self.kept, b, o) for o in options] for b in head]
         # Ranked by kernels and host copies added (the sum the knapsack can carry; pessimistic for
@@ -221,7 +232,7 @@ class CostModel:
             if found is None:
                 continue
             key = (tuple(options[i] for i in found) + (last,), rest, loss)
-            seconds = self.predict(key)[1]
+            seconds = self.predict(key, fitted)[1]
             if best is None or seconds < best[0]:
                 best = (seconds, key)
         return best and best[1]

@@ -76,10 +76,16 @@ def _check_unstacked(modules: Mapping[str, nnx.Module]) -> None:
                              "NNX models; keep the blocks as a list, nnx.List([Block(...) for _ in range(n)])")  # fmt: skip
 
 
+def _swap_call(block: nnx.Module, call: Callable[..., Any]) -> None:
+    """``block``, in place, with its class swapped for a subclass whose ``__call__`` is ``call``
+    (the state is unchanged; ``nnx.split``/``merge``/``clone`` keep the subclass)."""
+    base = type(block)
+    block.__class__ = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__})
+
+
 def _remat(block: nnx.Module, policy: Callable[..., bool] | None) -> None:
-    """``block``, in place, recomputing its forward in the backward pass: its class becomes a
-    subclass whose ``__call__`` runs under ``nnx.remat(policy=policy)`` (the state is unchanged;
-    ``nnx.split``/``merge``/``clone`` keep the subclass)."""
+    """``block``, in place, recomputing its forward in the backward pass: its ``__call__`` runs
+    under ``nnx.remat(policy=policy)``."""
     base = type(block)
 
     def __call__(self, *args, **kwargs):
@@ -93,7 +99,7 @@ def _remat(block: nnx.Module, policy: Callable[..., bool] | None) -> None:
 
         return nnx.remat(call, policy=policy, static_argnums=static)(self, *args)
 
-    block.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+    _swap_call(block, __call__)
 
 
 def _scoped(block: nnx.Module, path: str) -> None:
@@ -106,7 +112,7 @@ def _scoped(block: nnx.Module, path: str) -> None:
         with jax.named_scope(path):
             return base.__call__(self, *args, **kwargs)
 
-    block.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+    _swap_call(block, __call__)
 
 
 class Nnx:

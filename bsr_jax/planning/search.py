@@ -94,7 +94,7 @@ class _Search:
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
-        self.timed: dict[str, float] = {}  # "scale": XLA:TPU's modelled time over the roofline's, of the first step it timed
+        self.time_scale: float | None = None  # XLA:TPU's modelled time over the roofline's, of the first step it timed
         self.lowered: dict[tuple, tuple[str, Any]] = {}  # choices -> (the lowered program's hash, lowered)
         self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
         # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
@@ -134,9 +134,9 @@ class _Search:
             choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
             seconds, untimed = compiled.modelled_seconds, compiled.modelled_seconds is None
             if untimed:  # XLA:TPU's cost model cannot time some programs: the roofline's, as the steps it timed compare
-                seconds = compiled.roofline_seconds * self.timed.get("scale", 1.0)
-            elif compiled.roofline_seconds:
-                self.timed.setdefault("scale", seconds / compiled.roofline_seconds)
+                seconds = compiled.roofline_seconds * (self.time_scale or 1.0)
+            elif compiled.roofline_seconds and self.time_scale is None:
+                self.time_scale = seconds / compiled.roofline_seconds
             measured = Measured(choices_by_path, compiled.peak, seconds)
             if not same:
                 self.programs[program] = (measured.label, compiled)
@@ -152,6 +152,12 @@ class _Search:
                 print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
                       f"{seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
         return self.cache[key][0]
+
+    def adopt_shared(self) -> None:
+        """Take in what earlier calls sharing the cache compiled for this step."""
+        for (scope, *key), entry in self.shared.items():
+            if scope == self.scope:
+                self.cache.setdefault(tuple(key), entry)
 
     def compiled(self, measured: Measured) -> CompiledStep:
         """The compiled step of a candidate measured before."""
@@ -338,9 +344,10 @@ def _modelled_search(search: _Search, model: CostModel, names: Sequence[str], va
     # to say, with remat on every block compiled, whether anything can fit.
     if remat.peak + min(model.predict((("remat",) * n, *v))[0] - model.predict((("remat",) * n, "keep", "plain"))[0] for v in variants) > limit:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
-    for (scope, *key), (m, _) in search.shared.items():  # what earlier calls sharing the cache compiled
-        if scope == search.scope and tuple(key) not in model.steps:
-            model.observe(tuple(key), m.peak, m.seconds)
+    search.adopt_shared()
+    for key, (m, _) in search.cache.items():  # what earlier calls sharing the cache compiled
+        if key not in model.steps:
+            model.observe(key, m.peak, m.seconds)
     fits, tried = 0, 0
     while fits < verify and tried < 2 * verify:
         key = model.solve(limit, names, variants)
@@ -360,9 +367,7 @@ def _fastest_fitting(search: _Search, names: Sequence[str], variants: Sequence[t
                      infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
     """The fastest candidate compiled within ``limit`` whose choices are allowed, this call's and
     those earlier calls sharing the cache compiled."""
-    for (scope, *key), entry in search.shared.items():
-        if scope == search.scope:
-            search.cache.setdefault(tuple(key), entry)
+    search.adopt_shared()
     allowed = lambda key: set(key[0]) <= set(names) and (key[1], key[2]) in variants  # noqa: E731
     fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]
     if not fitting:

@@ -48,7 +48,6 @@ not traced (an op-by-op forward of concrete arrays, which has no backward pass) 
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import fnmatch
 from collections.abc import Callable, Sequence
