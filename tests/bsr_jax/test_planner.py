@@ -1,5 +1,8 @@
 """The planner (bsr_jax.plan) and what it builds on: compress_model's remat and lean rules by path."""
 
+import dataclasses
+import re
+
 import chex
 import flax.linen as nn
 import jax
@@ -180,8 +183,6 @@ def test_the_cost_model_predicts_what_compiles(target, compiled, capsys):
     shown beside. Measured on this model: H100 96 MiB and 0.67 ms, both as predicted; TPU v5p 38 MiB
     and 0.53 ms against 42 MiB and 0.52 ms predicted (the peak 10.5% pessimistic, short of the
     issue's 5%): within 5% on H100, 15% on TPU v5p."""
-    import re
-
     planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.6, target=target, cache=compiled,
                  **(FEW | dict(options=("remat", "remat-dots"), progress=True)))  # fmt: skip
     rows = [re.search(r" ([\d,]+) MiB +([\d.]+) ms .*\(predicted ([\d,]+) MiB, ([\d.]+) ms\)", row) for row in capsys.readouterr().err.splitlines()]
@@ -217,8 +218,6 @@ def test_a_step_xla_cannot_time_takes_the_roofline_as_the_timed_steps_compare(mo
     """XLA:TPU's cost model cannot time some programs (a probe of many options on ResMLP-S12: its
     time came back None and the search stopped with a TypeError): such a step takes the roofline's
     time scaled as XLA's model timed the first step, and says so."""
-    import dataclasses
-
     real, untimed = planner.compiled_memory, []
 
     def compiled_memory(*args, **kwargs):
