@@ -19,13 +19,16 @@ from bsr_jax.measure.report import module_path
 from bsr_jax.rewrite.rules import Rule
 
 
-def _walk(jaxpr: Any, scale: int = 1) -> Any:
-    """``(equation, its jaxpr's trip count)`` for every equation, nested ones too."""
+def _walk(jaxpr: Any, root: str, scale: int = 1, outer: str = "") -> Any:
+    """``(equation, its jaxpr's trip count, its module path)`` for every equation, nested ones too.
+    An equation inside another's jaxpr without a path of its own (a ``custom_vjp``'s body, such as
+    ``jax.nn.dot_product_attention``'s, traces with a fresh name stack) takes the enclosing one's."""
     for eqn in jaxpr.eqns:
-        yield eqn, scale
+        path = module_path(eqn.source_info.name_stack, frozenset({root})) or outer
+        yield eqn, scale, path
         inner = scale * eqn.params["length"] if eqn.primitive is jax.lax.scan_p else scale
         for sub in jax_core.jaxprs_in_params(eqn.params):
-            yield from _walk(sub, inner)
+            yield from _walk(sub, root, inner, path)
 
 
 def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
@@ -36,13 +39,13 @@ def find_blocks(jaxpr: Any, root: str) -> tuple[tuple[str, ...], bool]:
     common module of its body's equations) counts as one block run ``length`` times."""
     weight: dict[str, int] = {}
     scans: dict[str, int] = {}
-    for eqn, scale in _walk(jaxpr):
-        parts = module_path(eqn.source_info.name_stack, frozenset({root})).split("/")
+    for eqn, scale, path in _walk(jaxpr, root):
+        parts = path.split("/")
         for depth in range(1, len(parts) + 1):
             prefix = "/".join(parts[:depth])
             weight[prefix] = weight.get(prefix, 0) + scale
         if eqn.primitive is jax.lax.scan_p:
-            body = [module_path(e.source_info.name_stack, frozenset({root})).split("/")[0] for e, _ in _walk(eqn.params["jaxpr"].jaxpr)]
+            body = [p.split("/")[0] for _, _, p in _walk(eqn.params["jaxpr"].jaxpr, root, outer=path)]
             if body and all(p == body[0] and p for p in body):
                 scans[body[0]] = eqn.params["length"]
     groups: dict[tuple[str, str], list[str]] = {}

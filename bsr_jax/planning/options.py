@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
 from bsr_jax.core.names import name_policy
 from bsr_jax.storage.pruning import Pruning
@@ -105,7 +106,13 @@ def parse_budget(budget: int | float | str) -> tuple[str, float]:
 
 
 def abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a, tree)
+    """Shape structs of ``tree``'s arrays, each keeping its ``NamedSharding`` (a step over a mesh)."""
+
+    def shape_of(a):
+        sharding = getattr(a, "sharding", None)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else None)
+
+    return jax.tree.map(lambda a: shape_of(a) if hasattr(a, "shape") else a, tree)
 
 def natural(path: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path))

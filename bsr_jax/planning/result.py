@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import flax.linen as nn
@@ -56,7 +57,8 @@ class Plan:
     compiled, in order; ``table``: the chosen model's per-layer ``LayerTable`` (``compress_model``
     applies it as is); ``microbatches``: how many slices of the batch the step's gradient is
     accumulated over (``bsr_jax.accumulated_value_and_grad(loss, microbatches)`` in the user's
-    step). Its ``str`` is a table marking every approximate choice with its documented error, then
+    step); ``mesh``: the axes (name -> size) of the mesh the arguments were placed on, where they
+    were: then ``peak``, ``budget`` and the ``Measured`` peaks are one device's. Its ``str`` is a table marking every approximate choice with its documented error, then
     ``table``."""
 
     model: nn.Module | nnx.Module
@@ -72,6 +74,7 @@ class Plan:
     compiled: CompiledStep = dataclasses.field(repr=False)
     table: LayerTable = dataclasses.field(default=LayerTable(()), repr=False)
     microbatches: int = 1
+    mesh: Mapping[str, int] | None = None
 
     @property
     def label(self) -> str:
@@ -80,7 +83,8 @@ class Plan:
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:,.0f} MiB"
-        lines = [f"plan for {self.target}, budget {mib(self.budget)} ({self.budget / self.dense.peak:.2f} of dense's peak)",
+        where = f" x {math.prod(self.mesh.values())} ({', '.join(f'{k}={v}' for k, v in self.mesh.items())}; per device)" if self.mesh else ""
+        lines = [f"plan for {self.target}{where}, budget {mib(self.budget)} ({self.budget / self.dense.peak:.2f} of dense's peak)",
                  f"  chosen: {mib(self.peak)} ({self.peak / self.dense.peak:.2f}x), {self.modelled_seconds * 1e3:.2f} ms "
                  f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
                  f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",

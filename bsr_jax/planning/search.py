@@ -40,10 +40,9 @@ path), and blocks stacked for ``nnx.scan`` are not supported.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import hashlib
 import inspect
-import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -52,10 +51,12 @@ import flax.linen as nn
 import jax
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, check_target, compiled_memory, lower_for
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
+from bsr_jax.planning import placement
 from bsr_jax.planning.cost import CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
@@ -88,10 +89,12 @@ class _Search:
     """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
 
     def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache,
-                 microbatches: int = 1):  # fmt: skip
+                 microbatches: int = 1, mesh: Mesh | None = None):  # fmt: skip
         self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
-        self.microbatches = microbatches
+        self.microbatches, self.mesh = microbatches, mesh
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
+        if mesh is not None:
+            self.opt_state = placement.optimizer_state_on_mesh(optimizer, family.params, self.opt_state, mesh)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
         self.time_scale: float | None = None  # XLA:TPU's modelled time over the roofline's, of the first step it timed
@@ -99,18 +102,25 @@ class _Search:
         self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
         # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
         leaves, structure = jax.tree.flatten((family.state, batch))
-        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches)
-        # Every candidate holds its arguments at once: a floor under any compiled peak. Leaves
-        # without a plain dtype (PRNG keys) count nothing, which keeps it a floor.
-        arguments = jax.tree.leaves((family.state, self.opt_state, batch))
-        self.argument_bytes = sum(math.prod(a.shape) * getattr(a.dtype, "itemsize", 0) for a in arguments if hasattr(a, "shape"))
+        placed = tuple(str(getattr(a, "sharding", None) and a.sharding.spec) for a in leaves) if mesh else ()
+        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches,
+                      mesh and tuple(mesh.shape.items()), placed)  # fmt: skip
+        # Every candidate holds its arguments (their shards, over a mesh) at once: a floor under any compiled peak.
+        self.argument_bytes = placement.bytes_per_device((family.state, self.opt_state, batch))
+
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        """Where the step is traced: under ``jax.set_mesh`` of the target's mesh when there is one
+        (Explicit axes and ``bsr_jax``'s per-shard ops read it)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def program(self, choices: Sequence[str], rest: str, loss: str = "plain") -> str:
         """The hash of the candidate's lowered step: lowering is cheap, compiling is not."""
         key = (tuple(choices), rest, loss)
         if key not in self.lowered:
             step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss], self.microbatches)
-            lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1))
+            with self.on_mesh():
+                lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1),
+                                    devices=self.mesh.size if self.mesh else 1)  # fmt: skip
             self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
         return self.lowered[key][0]
 
@@ -293,7 +303,10 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     _check_loss(loss_fn, family_type, batch)
     loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
     family: Family = family_type(model, loss_fn, batch, variables, init_args)
-    search = _Search(family, loss_fns, batch, optimizer, target, progress, cache, microbatches)
+    mesh = placement.target_mesh((family.state, batch), target)
+    if mesh is not None:  # the user's shardings, on the target's devices
+        family.state, family.params, batch = placement.on_mesh((family.state, family.params, batch), mesh)
+    search = _Search(family, loss_fns, batch, optimizer, target, progress, cache, microbatches, mesh)
     blocks = family.blocks
     n = len(blocks)
     if progress:
@@ -380,10 +393,11 @@ def _plan(family: Family, search: _Search, loss_fns: Mapping[str, Callable[..., 
     (chosen, compiled), (choices, rest, loss) = search.cache[key], key
     model = family.assemble(choices, rest)
     # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
-    table = layer_table(family.step(model, search.optimizer, loss_fns[loss], search.microbatches), family.state, search.opt_state, *search.batch)
+    with search.on_mesh():
+        table = layer_table(family.step(model, search.optimizer, loss_fns[loss], search.microbatches), family.state, search.opt_state, *search.batch)
     return Plan(model=model, loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, table=table,
-                microbatches=search.microbatches)  # fmt: skip
+                microbatches=search.microbatches, mesh=dict(search.mesh.shape) if search.mesh else None)  # fmt: skip
 
 
 __all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
