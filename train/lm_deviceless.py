@@ -1,4 +1,5 @@
-"""``train.lm``'s own training step, compiled for several devices of a deviceless target.
+"""``train.lm``'s own training step, compiled for several devices of a deviceless target; and its
+model, loss and FSDP placement for ``bsr_jax.plan`` over a mesh (``plan_inputs``).
 
 ``sharded_step(config, target, devices)`` builds what ``lm_loop.train_and_evaluate`` compiles (the
 same model, loss, AdamW, ``make_train_step`` and state shardings, ``--fsdp`` included) on a mesh of
@@ -13,6 +14,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from bsr_jax.measure import compiled
 from train import lm_loop, sharding
@@ -37,3 +40,35 @@ def sharded_step(config: LMConfig, target: str, devices: int) -> tuple[Any, Any,
     step = lm_loop.make_train_step(loss_fn, tx, schedule, mesh, lm_loop.pruning_seed(config), state_sharding, config.fsdp,
                                    lm_loop.stacked_layers(config))
     return step, state, batch
+
+
+def plan_inputs(config: LMConfig, devices: int) -> tuple[Any, Any, Any, Any, optax.GradientTransformation]:
+    """``(model, loss_fn, tokens, variables, optimizer)`` for ``bsr_jax.plan(model, loss_fn, tokens,
+    variables=variables, optimizer=optimizer, ...)``: the dense LM of ``config`` (no remat or
+    compression of its own: the plan chooses them), the next-token cross-entropy, and shape structs
+    placed on an ``AbstractMesh`` of ``devices`` along ``"data"``: the batch split by rows, the
+    parameters as ``--fsdp`` splits them (``sharding.fsdp_spec``; stacked layers not along the layer
+    axis). The plan's step is ``jax.jit`` over these sharded arrays: XLA's SPMD partitioner gathers
+    each scanned layer's shards inside the loop, forward and backward (not the loop's ``shard_map``
+    step, ``sharded_step``)."""
+    if config.batch_size % devices:
+        raise ValueError(f"batch_size must be a multiple of the {devices} devices, got {config.batch_size}")
+    mesh = AbstractMesh((devices,), (sharding.DATA_AXIS,), axis_types=(AxisType.Auto,))
+    shape = lm_loop.model_shape(config, config.vocab_size)
+    model = lm_loop.create_model(config, shape, compressed=False)
+    layers = lm_loop.stacked_layers(config)
+
+    def placed(path, a):
+        stacked = any(getattr(k, "key", None) == layers for k in path)
+        spec = sharding.fsdp_spec(a.shape, devices, stacked) if config.fsdp else PartitionSpec()
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), jnp.zeros((1, shape.seq_len), jnp.int32)))
+    variables = jax.tree_util.tree_map_with_path(placed, variables)
+    tokens = jax.ShapeDtypeStruct((config.batch_size, shape.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(sharding.DATA_AXIS)))
+
+    def loss_fn(module, variables, tokens):
+        logits = module.apply(variables, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return model, loss_fn, tokens, variables, lm_loop.create_optimizer(config, lm_loop.learning_rate_schedule(config))

@@ -15,7 +15,15 @@ JAX's and MaxText's policies per layer (``--remat --remat-policy <policy>``). Ev
 said per row).
 Rows are appended to the JSON as they finish; rows already there are skipped (resumable).
 
+``--plan-budgets 0.5 0.7`` (fractions of the device's memory, ``HBM_GIB``) adds ``bsr_jax.plan``'s
+choice for each budget, per device, over the same 8 devices: ``train.lm_deviceless.plan_inputs``,
+the dense model ``jax.jit`` over FSDP-sharded arrays (XLA's SPMD partitioner gathers each layer as
+it runs; not the loop's ``shard_map`` step of the settings above), every exact option and MaxText's
+named policies, the chunked loss; each row with what the search compiled (its own dense and remat
+per layer among them) and how long it took.
+
     python -m benchmarks.memory.scale --models 1b --targets h100 --batch 1
+    python -m benchmarks.memory.scale --models 8b --targets h100 --plan-budgets 0.5 0.7 --settings
     python -m benchmarks.memory.scale --table-only
 
 Writes docs/RESULTS.md sections 15.1 and 15.2 (JSON: benchmarks/results/scale-layerwise.json; section 15's
@@ -73,11 +81,51 @@ def measure(model: str, target: str, setting: str, batch: int, seq_len: int) -> 
                 compile_s=time.perf_counter() - started)  # fmt: skip
 
 
+PLAN_OPTIONS = ("keep", "lean", "remat", "remat-dots", "remat-dots-all", "remat-dots-attention", "remat-minimal", "remat-save-qkv",
+                "remat-save-dots-except-mlp")  # fmt: skip
+LOSS_CHUNK = 2048  # plan(loss_chunk=): the head and loss 2048 tokens at a time where that is faster or needed
+
+
+def plan_row(model: str, target: str, fraction: float, batch: int, seq_len: int, cache: dict) -> dict:
+    """``bsr_jax.plan`` of the model's jitted FSDP step within ``fraction`` of the device's memory."""
+    config = LMConfig(model=model, seq_len=seq_len, batch_size=batch * DEVICES, dtype="bfloat16", scan=True, attention="flash", fsdp=True,
+                      vocab_size={"1b": 32768, "8b": 128256}[model])  # fmt: skip
+    lm, loss_fn, tokens, variables, tx = lm_deviceless.plan_inputs(config, DEVICES)
+    started, cached = time.perf_counter(), len(cache)
+    plan = bsr_jax.plan(lm, loss_fn, tokens, variables=variables, optimizer=tx, budget=f"{fraction * HBM_GIB[target]}GiB", target=target,
+                        options=PLAN_OPTIONS, loss_chunk=LOSS_CHUNK, cache=cache)  # fmt: skip
+    return dict(model=model, target=target, setting=f"plan {fraction}", batch_per_device=batch, seq_len=seq_len, peak_gib=plan.peak / GIB,
+                roofline_ms=plan.compiled.roofline_seconds * 1e3, chosen=plan.label, search_s=time.perf_counter() - started, compiles=len(cache) - cached,
+                tried=[dict(label=m.label, peak_gib=m.peak / GIB, modelled_ms=m.seconds * 1e3) for m in plan.tried],
+                attention="cuDNN flash" if target == "h100" else "XLA (holds the scores)")  # fmt: skip
+
+
+def plans(rows: list[dict]) -> str:
+    """The plan rows beside the search's own dense and remat per layer (the same jitted program)
+    and the fastest ``shard_map`` setting above that fits the device."""
+    lines = ["| model | target | batch/device | budget | chosen | peak GiB | modelled ms | jit dense | jit remat per layer | vs jit remat | "
+             "fastest shard_map setting within the device | search s (compiles) |", "|---|---|---:|---|---|---:|---:|---|---|---:|---|---:|"]  # fmt: skip
+    for r in (r for r in rows if "chosen" in r):
+        tried = {t["label"]: t for t in r["tried"]}
+        dense, remat = tried.get("1xkeep, rest keep"), tried.get("1xremat, rest keep")
+        fits = [o for o in rows if "chosen" not in o and (o["model"], o["target"], o["batch_per_device"]) == (r["model"], r["target"], r["batch_per_device"])
+                and o["peak_gib"] <= HBM_GIB[r["target"]]]  # fmt: skip
+        best = min(fits, key=lambda o: o["roofline_ms"], default=None)
+        cell = lambda t: f"{t['peak_gib']:.1f} GiB, {t['modelled_ms']:.0f} ms" if t else ""  # noqa: E731
+        versus = f"{r['roofline_ms'] / remat['modelled_ms']:.3f}x" if remat else ""
+        shard_map = f"{best['setting']}: {best['peak_gib']:.1f} GiB, {best['roofline_ms']:.0f} ms" if best else "none measured"
+        lines.append(f"| {r['model']} | {r['target']} | {r['batch_per_device']} | {r['setting'].split()[1]} x {HBM_GIB[r['target']]:.0f} GiB | "
+                     f"{r['chosen']} | {r['peak_gib']:.1f} | {r['roofline_ms']:.0f} | {cell(dense)} | {cell(remat)} | {versus} | {shard_map} | "
+                     f"{r['search_s']:.0f} ({r['compiles']}) |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | target | batch/device | setting | peak GiB/device | modelled ms (roofline) | vs fastest that fits the device | attention |",
              "|---|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
-    for r in rows:
-        fits = [o["roofline_ms"] for o in rows if (o["model"], o["target"], o["batch_per_device"]) == (r["model"], r["target"], r["batch_per_device"])
+    settings = [r for r in rows if "chosen" not in r]
+    for r in settings:
+        fits = [o["roofline_ms"] for o in settings if (o["model"], o["target"], o["batch_per_device"]) == (r["model"], r["target"], r["batch_per_device"])
                 and o["peak_gib"] <= HBM_GIB[o["target"]]]  # fmt: skip
         ratio = f"{r['roofline_ms'] / min(fits):.2f}x" if fits else "nothing fits"
         lines.append(f"| {r['model']} | {r['target']} | {r['batch_per_device']} | {r['setting']} | {r['peak_gib']:.1f} | {r['roofline_ms']:.0f} | "
@@ -90,8 +138,9 @@ def within_budgets(rows: list[dict], fractions: tuple[float, ...] = (0.5, 0.7)) 
     ``HBM_GIB``), beside remat per layer: a choice among whole-model settings, not ``bsr_jax.plan``
     (which does not plan over a mesh yet)."""
     lines = ["| model | target | budget | fastest setting within it | peak GiB | modelled ms | vs fsdp-remat |", "|---|---|---|---|---:|---:|---:|"]
-    for key in dict.fromkeys((r["model"], r["target"], r["batch_per_device"]) for r in rows):
-        group = [r for r in rows if (r["model"], r["target"], r["batch_per_device"]) == key]
+    settings = [r for r in rows if "chosen" not in r]
+    for key in dict.fromkeys((r["model"], r["target"], r["batch_per_device"]) for r in settings):
+        group = [r for r in settings if (r["model"], r["target"], r["batch_per_device"]) == key]
         remat = next((r["roofline_ms"] for r in group if r["setting"] == "fsdp-remat"), None)
         hbm_gib = HBM_GIB[key[1]]
         for fraction in fractions:
@@ -110,7 +159,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=("1b", "8b"), default=["1b", "8b"])
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="none: only the plans")
+    parser.add_argument("--plan-budgets", nargs="*", type=float, default=[], help="bsr_jax.plan within these fractions of the device's memory")
     parser.add_argument("--batch", type=int, choices=(1, 2), default=1, help="sequences per device")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--out", default="benchmarks/results/scale-layerwise.json")
@@ -133,7 +183,20 @@ def main(argv=None) -> None:
                           file=sys.stderr, flush=True)  # fmt: skip
                     with open(args.out, "w") as f:
                         json.dump(rows, f, indent=1)
+                cache: dict = {}  # the budgets' searches share their compiles
+                for fraction in args.plan_budgets:
+                    if (model, target, f"plan {fraction}", args.batch, args.seq_len) in done:
+                        continue
+                    print(f"[scale] {model} {target} plan within {fraction} of {HBM_GIB[target]:.0f} GiB batch {args.batch}/device ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    rows.append(plan_row(model, target, fraction, args.batch, args.seq_len, cache) | {"run": run_metadata()})
+                    print(f"[scale]   {rows[-1]['chosen']}: {rows[-1]['peak_gib']:.1f} GiB, {rows[-1]['roofline_ms']:.0f} ms, "
+                          f"searched in {rows[-1]['search_s']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+                    with open(args.out, "w") as f:
+                        json.dump(rows, f, indent=1)
     print(table(rows))
+    print()
+    print(plans(rows))
     print()
     print(within_budgets(rows))
     print(footer(run_metadata()))

@@ -223,9 +223,15 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         the step's state (as ``nnx.value_and_grad(loss_fn)(model, *batch)``); gradients are taken
         with respect to its ``nnx.Param``s. A signature that cannot take that call, or a loss that
         applies a module of its own, is an error before anything compiles.
-      example_batch: arrays or ``jax.ShapeDtypeStruct``s of one training batch.
+      example_batch: arrays or ``jax.ShapeDtypeStruct``s of one training batch. Over a mesh:
+        placed with ``NamedSharding``s (as are ``variables``, or an NNX model's arrays), on any
+        mesh (real devices, host devices, a ``jax.sharding.AbstractMesh``; Auto or Explicit axes)
+        of at most the target's 8 devices: the plan is then of XLA's per-device SPMD program on a
+        mesh of the same axes over the target's devices (``bsr_jax.planning.placement``; the
+        optimizer's state sharded as its parameters, anything unplaced replicated), and
+        ``budget``, every peak and ``Plan.peak`` are one device's.
       optimizer: the optax transformation of the step (its state counts toward the peak).
-      budget: bytes (an int, or a string with a unit: ``"12GiB"``, ``"800MB"``) or a fraction in
+      budget: bytes per device (an int, or a string with a unit: ``"12GiB"``, ``"800MB"``) or a fraction in
         (0, 1] of the dense step's compiled peak on ``target`` (a float, or a string without a
         unit: ``0.5``, ``"0.5"``); ``"2.0"`` or ``"100"`` is an error (``parse_budget``).
       target: ``"h100"`` or ``"tpu-v5p"``, any case (deviceless, with the ``aot`` extra: see
