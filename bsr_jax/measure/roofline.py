@@ -95,15 +95,25 @@ class Roofline:
 
 
 def _group_size(attrs: str) -> int:
-    """Devices per replica group of a collective: ``replica_groups={{0,1,2,3}}`` or the iota form
-    ``replica_groups=[2,4]<=[8]`` (2 groups of 4); a collective-permute's pairs count as 2."""
+    """Devices per replica group of a collective: ``replica_groups={{0,1,2,3}}``, the iota form
+    ``replica_groups=[2,4]<=[8]`` (2 groups of 4), or the mesh form XLA writes for jit's SPMD
+    programs, ``replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}`` (the product of the
+    named axes' sizes); a collective-permute's pairs count as 2."""
     if "source_target_pairs=" in attrs:
         return 2
     listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
     if listed:
         return len([d for d in listed.group(1).split(",") if d])
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
-    return int(iota.group(2)) if iota else 1
+    if iota:
+        return int(iota.group(2))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes[name] for name in re.findall(r"'([^']+)'", mesh.group(2)))
+    if "replica_groups=mesh" in attrs:
+        raise ValueError(f"unrecognised replica groups: {attrs[:200]}")
+    return 1
 
 
 def _dot_flops(lhs_dims: tuple[int, ...], out_elems: int, contracting: list[int]) -> float:
@@ -313,9 +323,10 @@ class _Model:
         n = _group_size(instr.attrs)
         if n <= 1:
             return 0.0
-        # The whole array: all-gather's output, the others' input (a -start's type is a tuple of both).
-        sizes = [type_bytes(shapes[o]) for o in instr.operands] + [math.prod(d) * DTYPE_BYTES[dtype] for dtype, d, _ in arrays(instr.type)]
-        return max(sizes) * _COLLECTIVES[kind](n) / self.hw.link_bytes_per_s
+        # The whole arrays: the operands (an all-gather's are its shards, n of them each), summed:
+        # XLA's combiners make one collective of several arrays.
+        whole = sum(type_bytes(shapes[o]) for o in instr.operands) * (n if kind == "all-gather" else 1)
+        return whole * _COLLECTIVES[kind](n) / self.hw.link_bytes_per_s
 
     def own_matmul(self, instr: Instr, shapes: dict[str, str]) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of one kernel: a bare dot/convolution or what its callees compute."""

@@ -131,7 +131,9 @@ ENTRY %main (w: f32[250,1000], g: f32[1000,1000], l: f32[]) -> (f32[1000,1000], 
 """
 
 
-@pytest.mark.parametrize("groups", ["{{0,1,2,3}}", "[1,4]<=[4]"])
+# The listed, iota and mesh forms (the last is what XLA writes for jax.jit's SPMD programs: read as
+# one device per group, every collective of a jitted FSDP step cost no link time).
+@pytest.mark.parametrize("groups", ["{{0,1,2,3}}", "[1,4]<=[4]", "mesh['axis_0'=4,'axis_1'=1] {'axis_0'}", "mesh['x'=2,'y'=2] {'x','y'}"])
 def test_a_collective_costs_what_each_device_sends_over_the_link(groups):
     """Ring all-gather and reduce-scatter of a 4 MB array over 4 devices: each sends 3 MB, 0.03 s
     at the toy link's 100 MB/s, over the HBM bound of the bytes they touch (operand and output
@@ -144,6 +146,24 @@ def test_a_collective_costs_what_each_device_sends_over_the_link(groups):
     assert times["ar"] == pytest.approx(1.0 + max(8 / 1e9, 4 * 2 * 0.75 / 1e8))
     one_device = rl.roofline(_collectives("{{0}}"), TOY)
     assert {k.name: k.seconds for k in one_device.kernels}["ag"] == pytest.approx(6e6 / 1e9 + 1.0)  # no link: HBM alone
+
+
+COMBINED = """HloModule m
+
+ENTRY %main (a: f32[250,1000], b: f32[250,1000]) -> (f32[1000,1000], f32[1000,1000]) {
+  %a = f32[250,1000]{1,0} parameter(0)
+  %b = f32[250,1000]{1,0} parameter(1)
+  %ag = ((f32[250,1000]{1,0}, f32[250,1000]{1,0}), (f32[1000,1000]{1,0}, f32[1000,1000]{1,0})) all-gather-start(%a, %b), channel_id=1, replica_groups=mesh['axis_0'=4] {'axis_0'}, dimensions={0}
+  ROOT %agd = (f32[1000,1000]{1,0}, f32[1000,1000]{1,0}) all-gather-done(%ag)
+}
+"""
+
+
+def test_a_combined_collective_sends_every_array_it_holds():
+    """XLA's combiners gather several arrays in one instruction: two 4 MB arrays over 4 devices send
+    6 MB from each (0.06 s on the toy link), not the larger one's 3 MB."""
+    (kernel,) = rl.roofline(COMBINED, TOY).kernels
+    assert kernel.seconds == pytest.approx(6e6 / 1e8 + 1.0)
 
 
 def test_time_is_monotone_in_bytes_and_flops():
