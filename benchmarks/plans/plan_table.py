@@ -87,7 +87,7 @@ def measure(name, target, budgets, options, cache, remat_rows, loss_chunk=0, pla
             # The baseline: each remat policy on every block (compiled after the search, not timed
             # with it; the planner compiles only remat itself, unless it predicts another fastest).
             # A cache of their own: the next budget's search must not find them compiled.
-            uniform = planner._Search(planner.Linen(model, loss_fn, (x, y), None, None), {"plain": loss_fn}, (x, y), optax.adamw(1e-3),
+            uniform = planner.Candidates(planner.Linen(model, loss_fn, (x, y), None, None), {"plain": loss_fn}, (x, y), optax.adamw(1e-3),
                                       target, False, baselines)  # fmt: skip
             n = len(uniform.family.blocks)
             uniform_remat = [m for m in (uniform.measure([s] * n, "keep") for s in REMAT_SETTINGS) if m.peak <= p.budget]

@@ -116,7 +116,7 @@ def _scoped(block: nnx.Module, path: str) -> None:
 
 
 class Nnx:
-    """An NNX model for ``plan`` (a ``bsr_jax.planning.search.Family``); its state is ``nnx.state(model)``."""
+    """An NNX model for ``plan`` (a ``bsr_jax.planning.candidates.Family``); its state is ``nnx.state(model)``."""
 
     name = "flax.nnx"
     unavailable = LINEN_ONLY

@@ -25,11 +25,14 @@ def _label(choices: Sequence[str], rest: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Measured:
     """One compiled candidate: its choices (block path -> option, ``REST`` -> the rest's), peak
-    (bytes) and modelled step time (seconds)."""
+    (bytes) and modelled step time (seconds). ``compiled`` False: XLA refused to compile it for
+    needing more than the device's memory; ``peak`` is then the bytes XLA said it needs (at least
+    that), ``seconds`` infinite."""
 
     choices: Mapping[str, str]
     peak: int
     seconds: float
+    compiled: bool = True
 
     @property
     def label(self) -> str:
@@ -84,13 +87,15 @@ class Plan:
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:,.0f} MiB"
         where = f" x {math.prod(self.mesh.values())} ({', '.join(f'{k}={v}' for k, v in self.mesh.items())}; per device)" if self.mesh else ""
-        lines = [f"plan for {self.target}{where}, budget {mib(self.budget)} ({self.budget / self.dense.peak:.2f} of dense's peak)",
-                 f"  chosen: {mib(self.peak)} ({self.peak / self.dense.peak:.2f}x), {self.modelled_seconds * 1e3:.2f} ms "
-                 f"({self.modelled_seconds / self.dense.seconds:.2f}x) -- compiled",
-                 f"  dense:  {mib(self.dense.peak)}, {self.dense.seconds * 1e3:.2f} ms",
-                 (f"  remat per block: {mib(self.remat.peak)} ({self.remat.peak / self.dense.peak:.2f}x), "
-                  f"{self.remat.seconds * 1e3:.2f} ms ({self.remat.seconds / self.dense.seconds:.2f}x)" if self.remat else
-                  "  remat per block: not compiled (the dense step fits)"),
+        dense = self.dense
+        # Against dense where it compiled; where XLA refused it (more than the device holds), no ratios.
+        of = lambda peak, seconds: f" ({peak / dense.peak:.2f}x), {seconds * 1e3:.2f} ms ({seconds / dense.seconds:.2f}x)" if dense.compiled else f", {seconds * 1e3:.2f} ms"  # noqa: E731
+        lines = [f"plan for {self.target}{where}, budget {mib(self.budget)}" + (f" ({self.budget / dense.peak:.2f} of dense's peak)" if dense.compiled else ""),
+                 f"  chosen: {mib(self.peak)}{of(self.peak, self.modelled_seconds)} -- compiled",
+                 f"  dense:  {mib(dense.peak)}, {dense.seconds * 1e3:.2f} ms" if dense.compiled else
+                 f"  dense:  does not compile on {self.target}: XLA needs at least {mib(dense.peak)}, more than the device holds",
+                 f"  remat per block: {mib(self.remat.peak)}{of(self.remat.peak, self.remat.seconds)}" if self.remat else
+                 "  remat per block: not compiled (the dense step fits)",
                  "  per block:"]  # fmt: skip
         note = lambda name: "" if OPTIONS[name].exact else f"  approximate: {OPTIONS[name].approximation}"
         blocks = [(path, name) for path, name in self.choices.items() if path not in (REST, LOSS)]

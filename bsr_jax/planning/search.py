@@ -40,141 +40,27 @@ path), and blocks stacked for ``nnx.scan`` are not supported.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 
-from bsr_jax.measure.compiled import DEVICELESS_TARGETS, CompiledStep, check_target, compiled_memory, lower_for
+from bsr_jax.measure.compiled import DEVICELESS_TARGETS, check_target
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
 from bsr_jax.planning import placement
+from bsr_jax.planning.candidates import Candidates, Family
 from bsr_jax.planning.cost import CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 from bsr_jax.planning.result import Measured, Plan
 from bsr_jax.rewrite.rules import layer_table
-
-
-class Family(Protocol):
-    """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planning.nnx.Nnx``)
-    for ``plan``, whose search is the same for both. Constructed as ``(model, loss_fn, batch,
-    variables, init_args)``; ``assemble(choices, rest)``: the model with ``blocks[i]`` as
-    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer, loss_fn)``:
-    ``step(state, opt_state, *batch) -> (state, opt_state, loss)`` of that module."""
-
-    name: str  # the kind, for messages: "flax.linen"
-    loss_args: tuple[str, ...]  # what loss_fn takes before the batch: ("module", "variables")
-    loss_example: str  # a loss of that form, for messages
-    unavailable: Mapping[str, str]  # block options this kind cannot take -> why
-    rest_unavailable: Mapping[str, str]  # the same for the rest
-    blocks: tuple[str, ...]  # the repeated blocks' paths
-    state: Any  # abstract: the step's first argument (donated)
-    params: Any  # abstract: what the optimizer updates (its state is the step's second argument)
-
-    def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
-
-    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array], microbatches: int = 1) -> Callable[..., Any]: ...
-
-class _Search:
-    """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
-
-    def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache,
-                 microbatches: int = 1, mesh: Mesh | None = None):  # fmt: skip
-        self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
-        self.microbatches, self.mesh = microbatches, mesh
-        self.opt_state = jax.eval_shape(optimizer.init, family.params)
-        if mesh is not None:
-            self.opt_state = placement.optimizer_state_on_mesh(optimizer, family.params, self.opt_state, mesh)
-        self.shared = cache if cache is not None else {}
-        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
-        self.time_scale: float | None = None  # XLA:TPU's modelled time over the roofline's, of the first step it timed
-        self.lowered: dict[tuple, tuple[str, Any]] = {}  # choices -> (the lowered program's hash, lowered)
-        self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
-        # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
-        leaves, structure = jax.tree.flatten((family.state, batch))
-        placed = tuple(str(getattr(a, "sharding", None) and a.sharding.spec) for a in leaves) if mesh else ()
-        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches,
-                      mesh and tuple(mesh.shape.items()), placed)  # fmt: skip
-        # Every candidate holds its arguments (their shards, over a mesh) at once: a floor under any compiled peak.
-        self.argument_bytes = placement.bytes_per_device((family.state, self.opt_state, batch))
-
-    def on_mesh(self) -> contextlib.AbstractContextManager:
-        """Where the step is traced: under ``jax.set_mesh`` of the target's mesh when there is one
-        (Explicit axes and ``bsr_jax``'s per-shard ops read it)."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-    def program(self, choices: Sequence[str], rest: str, loss: str = "plain") -> str:
-        """The hash of the candidate's lowered step: lowering is cheap, compiling is not."""
-        key = (tuple(choices), rest, loss)
-        if key not in self.lowered:
-            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss], self.microbatches)
-            with self.on_mesh():
-                lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1),
-                                    devices=self.mesh.size if self.mesh else 1)  # fmt: skip
-            self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
-        return self.lowered[key][0]
-
-    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain", breakdown: bool = False,
-                predicted: tuple[float, float] | None = None) -> Measured:  # fmt: skip
-        """The candidate compiled (once); ``breakdown``: with what is live at its peak and every
-        kernel named (``CompiledStep.live_at_peak``, ``kernels``), for the cost model;
-        ``predicted``: the cost model's (peak, seconds) for it, shown in the progress row."""
-        key = (tuple(choices), rest, loss)
-        if key not in self.cache and (self.scope, *key) in self.shared:
-            self.cache[key] = self.shared[(self.scope, *key)]
-        if breakdown and key in self.cache and not self.cache[key][1].kernels:
-            del self.cache[key]  # compiled before without its breakdown: again, with it
-        if key not in self.cache:
-            program = self.program(*key)
-            # Different choices can make the same program (dots_saveable where no product has batch
-            # axes is dots_with_no_batch_dims_saveable): compiled once.
-            same = self.programs.get(program)
-            same = same if same and (same[1].kernels or not breakdown) else None
-            compiled = same[1] if same else compiled_memory(self.lowered[key][1], target=self.target, breakdown=breakdown)
-            choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
-            seconds, untimed = compiled.modelled_seconds, compiled.modelled_seconds is None
-            if untimed:  # XLA:TPU's cost model cannot time some programs: the roofline's, as the steps it timed compare
-                seconds = compiled.roofline_seconds * (self.time_scale or 1.0)
-            elif compiled.roofline_seconds and self.time_scale is None:
-                self.time_scale = seconds / compiled.roofline_seconds
-            measured = Measured(choices_by_path, compiled.peak, seconds)
-            if not same:
-                self.programs[program] = (measured.label, compiled)
-            self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
-            if self.progress:
-                # What varies in length goes last, so that every row keeps the columns.
-                how = "same program as " + same[0] if same else "compiled"
-                if predicted:
-                    how += f" (predicted {predicted[0] / 2**20:,.0f} MiB, {predicted[1] * 1e3:.2f} ms)"
-                if untimed:
-                    how += " (time: the roofline's, scaled as XLA's model timed the first step; XLA's cannot time this one)"
-                approximate = "; approximate: " + "; ".join(measured.approximations.values()) if measured.approximations else ""
-                print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
-                      f"{seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
-        return self.cache[key][0]
-
-    def adopt_shared(self) -> None:
-        """Take in what earlier calls sharing the cache compiled for this step."""
-        for (scope, *key), entry in self.shared.items():
-            if scope == self.scope:
-                self.cache.setdefault(tuple(key), entry)
-
-    def compiled(self, measured: Measured) -> CompiledStep:
-        """The compiled step of a candidate measured before."""
-        return next(step for m, step in self.cache.values() if m is measured)
-
-    def smallest(self, allowed: Callable[[tuple], bool] = lambda key: True) -> Measured:
-        return min((m for key, (m, _) in self.cache.items() if allowed(key)), key=lambda m: m.peak)
 
 
 def _check_loss(loss_fn: Callable[..., jax.Array], family: type, batch: Sequence[Any]) -> None:
@@ -312,7 +198,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     mesh = placement.target_mesh((family.state, batch), target)
     if mesh is not None:  # the user's shardings, on the target's devices
         family.state, family.params, batch = placement.on_mesh((family.state, family.params, batch), mesh)
-    search = _Search(family, loss_fns, batch, optimizer, target, progress, cache, microbatches, mesh)
+    search = Candidates(family, loss_fns, batch, optimizer, target, progress, cache, microbatches, mesh)
     blocks = family.blocks
     n = len(blocks)
     if progress:
@@ -324,13 +210,18 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         raise ValueError(f"plan: loss_fn never applies the module it is given (remat on every block lowered to the dense step's "
                          f"program): apply its first argument, e.g. {family.loss_example}")  # fmt: skip
     dense = search.measure(["keep"] * n, "keep", breakdown=True)  # the cost model's reference where it does not fit
+    if not dense.compiled and kind == "fraction":
+        raise ValueError(f"plan: the dense step does not compile on {target} (XLA needs at least {dense.peak / 2**20:,.0f} MiB, more than "
+                         f"the device holds), so a budget of {amount} of its peak has nothing to be a fraction of: give bytes, e.g. "
+                         f"budget=\"{dense.peak / 2 / 2**30:.0f}GiB\"")  # fmt: skip
     limit = amount * dense.peak if kind == "fraction" else amount
 
     def infeasible(best: Measured, why: str = "") -> ValueError:
+        of_dense = f"{best.peak / dense.peak:.2f} of dense's" if dense.compiled else "dense does not compile"
         return ValueError(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
-                          f"was {best.peak / 2**20:,.0f} MiB ({best.peak / dense.peak:.2f} of dense's), with {best.label}{why}")  # fmt: skip
+                          f"was {best.peak / 2**20:,.0f} MiB ({of_dense}), with {best.label}{why}")  # fmt: skip
 
-    if dense.peak <= limit:
+    if dense.compiled and dense.peak <= limit:
         return _plan(family, search, loss_fns, (("keep",) * n, "keep", "plain"), limit, target, dense, None)
     if search.argument_bytes > limit:
         raise infeasible(dense, f"; the step's arguments alone (parameters, optimizer state, batch) take {search.argument_bytes / 2**20:,.0f} MiB")
@@ -342,30 +233,37 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     remat = search.measure(["remat"] * n, "keep", breakdown=True)
     if remat.peak > limit and len(variants) == 1:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
-    model = CostModel(blocks)
-    model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks, dense.seconds))
+    model = CostModel(blocks) if dense.compiled else None
+    if model:
+        model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks, dense.seconds))
     key = _modelled_search(search, model, names, variants, remat, limit, verify, infeasible)
     return _plan(family, search, loss_fns, key, limit, target, dense, remat)
 
 
-def _modelled_search(search: _Search, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], remat: Measured,
+def _modelled_search(search: Candidates, model: CostModel | None, names: Sequence[str], variants: Sequence[tuple[str, str]], remat: Measured,
                      limit: float, verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
     """The fastest compiled candidate within ``limit``, searched with the cost model
     (``bsr_jax.planning.cost``): remat on every block and the probes measure every option and
     variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled, and
     the model, calibrated by every step compiled so far, is solved again, until ``verify``
-    candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled."""
-    n = len(model.blocks)
-    for key in (("remat",) * n, "keep", "plain"), *probes(model.blocks, names, [v for v in variants if v != ("keep", "plain")]):
-        measured = search.measure(*key, breakdown=True)
-        model.observe(key, measured.peak, measured.seconds, shares(search.compiled(measured), model.blocks, measured.seconds))
+    candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled.
+    Where one of them (or ``model``'s reference, the dense step: ``model`` None) needs more than the
+    device holds, XLA compiles nothing to learn from: the fastest of those that compiled."""
+    blocks = search.family.blocks
+    keys = [(("remat",) * len(blocks), "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
+    measured = [search.measure(*key, breakdown=True) for key in keys]
+    if model is None or not all(m.compiled for m in measured):
+        return _fastest_fitting(search, names, variants, limit, infeasible)
+    for key, m in zip(keys, measured):
+        model.observe(key, m.peak, m.seconds, shares(search.compiled(m), blocks, m.seconds))
+    n = len(blocks)
     # What the rest's and the loss's choices add is the part the model sees whole (REST): exact enough
     # to say, with remat on every block compiled, whether anything can fit.
     if remat.peak + min(model.predict((("remat",) * n, *v))[0] - model.predict((("remat",) * n, "keep", "plain"))[0] for v in variants) > limit:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
     search.adopt_shared()
     for key, (m, _) in search.cache.items():  # what earlier calls sharing the cache compiled
-        if key not in model.steps:
+        if key not in model.steps and m.compiled:
             model.observe(key, m.peak, m.seconds)
     fits, tried = 0, 0
     while fits < verify and tried < 2 * verify:
@@ -376,25 +274,27 @@ def _modelled_search(search: _Search, model: CostModel, names: Sequence[str], va
         measured = search.measure(*key, predicted=model.predict(key))
         # Each compiled step calibrates the model: its last block's option's base (peaks are not
         # additive: XLA reschedules, and the backward's first block holds what it recomputes).
-        model.observe(key, measured.peak, measured.seconds)
+        # One XLA refused (more than the device holds) teaches nothing; solved again, it is cached: the loop ends.
+        if measured.compiled:
+            model.observe(key, measured.peak, measured.seconds)
         tried += len(search.programs) > compiled_before
-        fits += measured.peak <= limit
+        fits += measured.compiled and measured.peak <= limit
     return _fastest_fitting(search, names, variants, limit, infeasible)
 
 
-def _fastest_fitting(search: _Search, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,
+def _fastest_fitting(search: Candidates, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,
                      infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
     """The fastest candidate compiled within ``limit`` whose choices are allowed, this call's and
     those earlier calls sharing the cache compiled."""
     search.adopt_shared()
     allowed = lambda key: set(key[0]) <= set(names) and (key[1], key[2]) in variants  # noqa: E731
-    fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.peak <= limit and allowed(key)]
+    fitting = [(m.seconds, key) for key, (m, _) in search.cache.items() if m.compiled and m.peak <= limit and allowed(key)]
     if not fitting:
         raise infeasible(search.smallest(allowed))
     return min(fitting)[1]
 
 
-def _plan(family: Family, search: _Search, loss_fns: Mapping[str, Callable[..., jax.Array]], key: tuple, limit: float, target: str,
+def _plan(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[..., jax.Array]], key: tuple, limit: float, target: str,
           dense: Measured, remat: Measured | None) -> Plan:  # fmt: skip
     (chosen, compiled), (choices, rest, loss) = search.cache[key], key
     model = family.assemble(choices, rest)

@@ -14,6 +14,7 @@ from flax import nnx
 
 import bsr_jax
 from bsr_jax import Rule
+from bsr_jax.planning import candidates
 from bsr_jax.planning import search as planner
 from bsr_jax.planning import nnx as planner_nnx
 
@@ -203,7 +204,7 @@ def test_choices_that_make_the_same_program_compile_once(capsys):
     dots_with_no_batch_dims_saveable keeps, the same lowered program, compiled once. Its progress
     row keeps the columns of the others (issue 39: 'same as ...' pushed them right)."""
     family = planner.Linen(Net(), _labels_loss, BATCH, None, None)
-    search = planner._Search(family, {"plain": _labels_loss}, BATCH, optax.adamw(1e-3), "h100", True, None)
+    search = planner.Candidates(family, {"plain": _labels_loss}, BATCH, optax.adamw(1e-3), "h100", True, None)
     for option in ("keep", "remat", "remat-dots", "remat-dots-all"):
         search.measure([option] * 4, "keep")
     uniform = {key[0][0]: step for key, (_, step) in search.cache.items()}
@@ -218,14 +219,14 @@ def test_a_step_xla_cannot_time_takes_the_roofline_as_the_timed_steps_compare(mo
     """XLA:TPU's cost model cannot time some programs (a probe of many options on ResMLP-S12: its
     time came back None and the search stopped with a TypeError): such a step takes the roofline's
     time scaled as XLA's model timed the first step, and says so."""
-    real, untimed = planner.compiled_memory, []
+    real, untimed = candidates.compiled_memory, []
 
     def compiled_memory(*args, **kwargs):
         step = real(*args, **kwargs)
         return dataclasses.replace(step, modelled_seconds=None) if untimed else step
 
-    monkeypatch.setattr(planner, "compiled_memory", compiled_memory)
-    search = planner._Search(planner.Linen(Net(), _labels_loss, BATCH, None, None), {"plain": _labels_loss}, BATCH, optax.adamw(1e-3),
+    monkeypatch.setattr(candidates, "compiled_memory", compiled_memory)
+    search = planner.Candidates(planner.Linen(Net(), _labels_loss, BATCH, None, None), {"plain": _labels_loss}, BATCH, optax.adamw(1e-3),
                              "h100", True, None)  # fmt: skip
     dense = search.measure(["keep"] * 4, "keep")
     untimed.append(True)
@@ -296,7 +297,7 @@ def compiles(monkeypatch):
         calls.append(kwargs.get("target"))
         return bsr_jax.compiled_memory(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "compiled_memory", counted)
+    monkeypatch.setattr(candidates, "compiled_memory", counted)
     return calls
 
 
@@ -324,6 +325,29 @@ def test_an_infeasible_budget_stops_at_remat_on_every_block(compiled, compiles):
     with pytest.raises(ValueError, match=r"the step's arguments alone \(parameters, optimizer state, batch\) take 4 MiB"):
         planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="2MiB", target="h100", cache=compiled, progress=False)
     assert len(compiles) <= 2
+
+
+def test_a_candidate_over_the_devices_memory_is_remembered_as_not_fitting(compiled, monkeypatch):
+    """XLA:TPU refuses to compile a program that needs more than the chip's HBM (train.lm's 1b step
+    at T 8192 with XLA's attention: 117 GiB of temporaries): plan took it for a crash. Here the dense
+    step is refused as XLA:TPU words it; the plan is remat's, the dense step named as too large."""
+    real, calls = candidates.compiled_memory, []
+
+    def refusing(lowered, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # the dense step, compiled first
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (117.00G) "
+                               "exceeds available HBM (95.74G).")  # fmt: skip
+        return real(lowered, **kwargs)
+
+    monkeypatch.setattr(candidates, "compiled_memory", refusing)
+    remat_compiled = {key: entry for key, entry in compiled.items() if "remat" in key[1]}  # earlier tests' remat step; not dense
+    plan = planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1GiB", target="h100", cache=remat_compiled, **FEW)
+    assert not plan.dense.compiled and plan.dense.peak >= 117 * 2**30 and plan.choices["blocks_0"] == "remat"
+    assert "dense:  does not compile on h100: XLA needs at least 119,8" in str(plan)
+    calls.clear()
+    with pytest.raises(ValueError, match=r"the dense step does not compile on h100 .* give bytes"):
+        planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.5, target="h100", cache={}, **FEW)
 
 
 def test_the_table_marks_approximate_choices_with_their_error():

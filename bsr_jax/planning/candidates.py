@@ -1,0 +1,162 @@
+"""The candidates ``plan`` compiles: ``Family`` (what differs between linen and NNX models) and
+``Candidates`` (each candidate lowered, compiled deviceless once, cached by its choices, remembered
+in order; over a mesh, on the target's devices). A candidate XLA refuses to compile because it
+needs more than the device's memory (XLA:TPU checks its HBM) is remembered as not fitting, with
+the bytes XLA said it needs as its peak (``Measured.compiled`` False), not raised."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from bsr_jax.measure.compiled import CompiledStep, compiled_memory, lower_for
+from bsr_jax.planning import placement
+from bsr_jax.planning.options import LOSS, REST
+from bsr_jax.planning.result import Measured
+
+
+class Family(Protocol):
+    """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planning.nnx.Nnx``)
+    for ``plan``, whose search is the same for both. Constructed as ``(model, loss_fn, batch,
+    variables, init_args)``; ``assemble(choices, rest)``: the model with ``blocks[i]`` as
+    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer, loss_fn)``:
+    ``step(state, opt_state, *batch) -> (state, opt_state, loss)`` of that module."""
+
+    name: str  # the kind, for messages: "flax.linen"
+    loss_args: tuple[str, ...]  # what loss_fn takes before the batch: ("module", "variables")
+    loss_example: str  # a loss of that form, for messages
+    unavailable: Mapping[str, str]  # block options this kind cannot take -> why
+    rest_unavailable: Mapping[str, str]  # the same for the rest
+    blocks: tuple[str, ...]  # the repeated blocks' paths
+    state: Any  # abstract: the step's first argument (donated)
+    params: Any  # abstract: what the optimizer updates (its state is the step's second argument)
+
+    def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
+
+    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array], microbatches: int = 1) -> Callable[..., Any]: ...
+
+class Candidates:
+    """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
+
+    def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache,
+                 microbatches: int = 1, mesh: Mesh | None = None):  # fmt: skip
+        self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
+        self.microbatches, self.mesh = microbatches, mesh
+        self.opt_state = jax.eval_shape(optimizer.init, family.params)
+        if mesh is not None:
+            self.opt_state = placement.optimizer_state_on_mesh(optimizer, family.params, self.opt_state, mesh)
+        self.shared = cache if cache is not None else {}
+        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+        self.time_scale: float | None = None  # XLA:TPU's modelled time over the roofline's, of the first step it timed
+        self.lowered: dict[tuple, tuple[str, Any]] = {}  # choices -> (the lowered program's hash, lowered)
+        self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
+        # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
+        leaves, structure = jax.tree.flatten((family.state, batch))
+        placed = tuple(str(getattr(a, "sharding", None) and a.sharding.spec) for a in leaves) if mesh else ()
+        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches,
+                      mesh and tuple(mesh.shape.items()), placed)  # fmt: skip
+        # Every candidate holds its arguments (their shards, over a mesh) at once: a floor under any compiled peak.
+        self.argument_bytes = placement.bytes_per_device((family.state, self.opt_state, batch))
+
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        """Where the step is traced: under ``jax.set_mesh`` of the target's mesh when there is one
+        (Explicit axes and ``bsr_jax``'s per-shard ops read it)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def program(self, choices: Sequence[str], rest: str, loss: str = "plain") -> str:
+        """The hash of the candidate's lowered step: lowering is cheap, compiling is not."""
+        key = (tuple(choices), rest, loss)
+        if key not in self.lowered:
+            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss], self.microbatches)
+            with self.on_mesh():
+                lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1),
+                                    devices=self.mesh.size if self.mesh else 1)  # fmt: skip
+            self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
+        return self.lowered[key][0]
+
+    def measure(self, choices: Sequence[str], rest: str, loss: str = "plain", breakdown: bool = False,
+                predicted: tuple[float, float] | None = None) -> Measured:  # fmt: skip
+        """The candidate compiled (once); ``breakdown``: with what is live at its peak and every
+        kernel named (``CompiledStep.live_at_peak``, ``kernels``), for the cost model;
+        ``predicted``: the cost model's (peak, seconds) for it, shown in the progress row."""
+        key = (tuple(choices), rest, loss)
+        if key not in self.cache and (self.scope, *key) in self.shared:
+            self.cache[key] = self.shared[(self.scope, *key)]
+        if breakdown and key in self.cache and self.cache[key][0].compiled and not self.cache[key][1].kernels:
+            del self.cache[key]  # compiled before without its breakdown: again, with it
+        if key not in self.cache:
+            program = self.program(*key)
+            # Different choices can make the same program (dots_saveable where no product has batch
+            # axes is dots_with_no_batch_dims_saveable): compiled once.
+            same = self.programs.get(program)
+            same = same if same and (same[1].kernels or not breakdown) else None
+            choices_by_path = dict(zip(self.family.blocks, choices)) | {REST: rest} | ({LOSS: loss} if loss != "plain" else {})
+            try:
+                compiled = same[1] if same else compiled_memory(self.lowered[key][1], target=self.target, breakdown=breakdown)
+            except Exception as error:  # XLA raises its own runtime error type
+                needs = over_device_memory(error)
+                if needs is None:
+                    raise
+                measured = Measured(choices_by_path, needs + self.argument_bytes, math.inf, compiled=False)
+                self.cache[key] = self.shared[(self.scope, *key)] = (measured, None)
+                if self.progress:
+                    print(f"[plan] {len(self.cache):>3} {measured.label:<44} {measured.peak / 2**20:>10,.0f} MiB {'':>12}  not compiled: "
+                          f"XLA needs at least this, more than the device holds", file=sys.stderr, flush=True)  # fmt: skip
+                return measured
+            seconds, untimed = compiled.modelled_seconds, compiled.modelled_seconds is None
+            if untimed:  # XLA:TPU's cost model cannot time some programs: the roofline's, as the steps it timed compare
+                seconds = compiled.roofline_seconds * (self.time_scale or 1.0)
+            elif compiled.roofline_seconds and self.time_scale is None:
+                self.time_scale = seconds / compiled.roofline_seconds
+            measured = Measured(choices_by_path, compiled.peak, seconds)
+            if not same:
+                self.programs[program] = (measured.label, compiled)
+            self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
+            if self.progress:
+                # What varies in length goes last, so that every row keeps the columns.
+                how = "same program as " + same[0] if same else "compiled"
+                if predicted:
+                    how += f" (predicted {predicted[0] / 2**20:,.0f} MiB, {predicted[1] * 1e3:.2f} ms)"
+                if untimed:
+                    how += " (time: the roofline's, scaled as XLA's model timed the first step; XLA's cannot time this one)"
+                approximate = "; approximate: " + "; ".join(measured.approximations.values()) if measured.approximations else ""
+                print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
+                      f"{seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
+        return self.cache[key][0]
+
+    def adopt_shared(self) -> None:
+        """Take in what earlier calls sharing the cache compiled for this step."""
+        for (scope, *key), entry in self.shared.items():
+            if scope == self.scope:
+                self.cache.setdefault(tuple(key), entry)
+
+    def compiled(self, measured: Measured) -> CompiledStep:
+        """The compiled step of a candidate measured before."""
+        return next(step for m, step in self.cache.values() if m is measured)
+
+    def smallest(self, allowed: Callable[[tuple], bool] = lambda key: True) -> Measured:
+        """The candidate of least peak among those ``allowed``, compiled ones first."""
+        return min((m for key, (m, _) in self.cache.items() if allowed(key)), key=lambda m: (not m.compiled, m.peak))
+
+
+# XLA:TPU's words where a program needs more than the device's memory: "the total memory required
+# for HLO temporaries (117.00G) exceeds available HBM (95.74G)"; "Used 120.50G of 95.74G hbm".
+_OVER_MEMORY = re.compile(r"RESOURCE_EXHAUSTED.*?(?:required for [\w ]+\(|Used )([\d.]+)([KMGT])", re.DOTALL)
+
+
+def over_device_memory(error: Exception) -> int | None:
+    """The bytes XLA said a program needs where it refused to compile it for exceeding the
+    device's memory (a lower bound on its peak: temporaries alone); None for any other error."""
+    found = _OVER_MEMORY.search(str(error))
+    if not found:
+        return None
+    return int(float(found.group(1)) * 2 ** (10 * "KMGT".index(found.group(2)) + 10))
