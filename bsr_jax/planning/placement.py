@@ -55,14 +55,19 @@ def on_mesh(tree: Any, mesh: Mesh) -> Any:
     """Every array leaf of ``tree`` as a ``jax.ShapeDtypeStruct`` on ``mesh`` with its
     ``NamedSharding``'s spec (replicated where it has none)."""
 
-    def place(leaf):
+    def place(path, leaf):
         if not hasattr(leaf, "shape"):
             return leaf
         sharding = getattr(leaf, "sharding", None)
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+        placed = NamedSharding(mesh, sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec())
+        try:
+            placed.shard_shape(leaf.shape)
+        except ValueError as error:  # jax's IndivisibleError
+            raise ValueError(f"plan: {jax.tree_util.keystr(path)} of shape {leaf.shape} cannot be split as {placed.spec} over "
+                             f"{dict(mesh.shape)}: each split dimension must be a multiple of its axes' devices") from error  # fmt: skip
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placed)
 
-    return jax.tree.map(place, tree)
+    return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def optimizer_state_on_mesh(optimizer: optax.GradientTransformation, params: Any, opt_state: Any, mesh: Mesh) -> Any:
