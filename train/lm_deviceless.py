@@ -48,9 +48,8 @@ def plan_inputs(config: LMConfig, devices: int) -> tuple[Any, Any, Any, Any, opt
     compression of its own: the plan chooses them), the next-token cross-entropy, and shape structs
     placed on an ``AbstractMesh`` of ``devices`` along ``"data"``: the batch split by rows, the
     parameters as ``--fsdp`` splits them (``sharding.fsdp_spec``; stacked layers not along the layer
-    axis). The plan's step is ``jax.jit`` over these sharded arrays: XLA's SPMD partitioner gathers
-    each scanned layer's shards inside the loop, forward and backward (not the loop's ``shard_map``
-    step, ``sharded_step``)."""
+    axis). The plan's step is ``jax.jit`` over these sharded arrays, which XLA's SPMD partitioner
+    splits; with ``value_and_grad=fsdp_value_and_grad(config)`` it is the loop's own step instead."""
     if config.batch_size % devices:
         raise ValueError(f"batch_size must be a multiple of the {devices} devices, got {config.batch_size}")
     mesh = AbstractMesh((devices,), (sharding.DATA_AXIS,), axis_types=(AxisType.Auto,))
@@ -72,3 +71,20 @@ def plan_inputs(config: LMConfig, devices: int) -> tuple[Any, Any, Any, Any, opt
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     return model, loss_fn, tokens, variables, lm_loop.create_optimizer(config, lm_loop.learning_rate_schedule(config))
+
+
+def fsdp_value_and_grad(config: LMConfig):
+    """``plan(value_and_grad=...)`` for the loop's own ``--fsdp`` gradient: ``shard_map`` over the
+    plan's mesh (``jax.sharding.get_abstract_mesh()`` while it traces), each device differentiating
+    its rows, a scanned model's layers gathered layer by layer (``sharding.data_parallel_grad``)."""
+
+    def value_and_grad(loss):
+        def of(params, tokens):
+            grad = sharding.data_parallel_grad(lambda p, b, rng: (loss(p, b), {}), jax.sharding.get_abstract_mesh(), config.fsdp,
+                                               lm_loop.stacked_layers(config))  # fmt: skip
+            (value, _), grads = grad(params, tokens)
+            return value, grads
+
+        return of
+
+    return value_and_grad

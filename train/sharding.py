@@ -154,7 +154,7 @@ def state_shardings(state: Any, mesh: Mesh, fsdp: bool, layers: str | None = Non
     """A ``NamedSharding`` per leaf of ``state`` (arrays or shape structs): ``fsdp_spec``'s with
     ``fsdp``, else replicated; leaves under a ``layers`` key (parameters and their moments alike)
     are stacked layers, split along another than their leading axis (the module docstring)."""
-    devices = mesh.devices.size
+    devices = mesh.size  # a Mesh or an AbstractMesh (bsr_jax.plan traces the step on one)
 
     def placed(path, x):
         return NamedSharding(mesh, fsdp_spec(x.shape, devices, _under(path, layers)) if fsdp else PartitionSpec())

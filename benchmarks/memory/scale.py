@@ -16,11 +16,12 @@ said per row).
 Rows are appended to the JSON as they finish; rows already there are skipped (resumable).
 
 ``--plan-budgets 0.5 0.7`` (fractions of the device's memory, ``HBM_GIB``) adds ``bsr_jax.plan``'s
-choice for each budget, per device, over the same 8 devices: ``train.lm_deviceless.plan_inputs``,
-the dense model ``jax.jit`` over FSDP-sharded arrays (XLA's SPMD partitioner gathers each layer as
-it runs; not the loop's ``shard_map`` step of the settings above), every exact option and MaxText's
-named policies, the chunked loss; each row with what the search compiled (its own dense and remat
-per layer among them) and how long it took.
+choice for each budget, per device, over the same 8 devices (``train.lm_deviceless.plan_inputs``:
+the dense model, its parameters FSDP-sharded), every exact option and MaxText's named policies, the
+chunked loss; each row with what the search compiled (its own dense and remat per layer among them)
+and how long it took. ``--plan-step shard_map`` (the default) plans the loop's own step (its FSDP
+gradient through ``plan(value_and_grad=...)``: rows ``plan <fraction>``), ``jit`` the model
+``jax.jit``-ed over the sharded arrays, which XLA's SPMD partitioner splits (rows ``plan-jit``).
 
     python -m benchmarks.memory.scale --models 1b --targets h100 --batch 1
     python -m benchmarks.memory.scale --models 8b --targets h100 --plan-budgets 0.5 0.7 --settings
@@ -87,15 +88,19 @@ PLAN_OPTIONS = ("keep", "lean", "remat", "remat-dots", "remat-dots-all", "remat-
 LOSS_CHUNK = 2048  # plan(loss_chunk=): the head and loss 2048 tokens at a time where that is faster or needed
 
 
-def plan_row(model: str, target: str, fraction: float, batch: int, seq_len: int, cache: dict) -> dict:
-    """``bsr_jax.plan`` of the model's jitted FSDP step within ``fraction`` of the device's memory."""
+PLAN_STEPS = {"shard_map": "plan", "jit": "plan-jit"}  # --plan-step -> the rows' setting prefix
+
+
+def plan_row(model: str, target: str, fraction: float, batch: int, seq_len: int, cache: dict, step: str = "shard_map") -> dict:
+    """``bsr_jax.plan`` of the model's FSDP step (``step``: ``PLAN_STEPS``) within ``fraction`` of the device's memory."""
     config = LMConfig(model=model, seq_len=seq_len, batch_size=batch * DEVICES, dtype="bfloat16", scan=True, attention="flash", fsdp=True,
                       vocab_size={"1b": 32768, "8b": 128256}[model])  # fmt: skip
     lm, loss_fn, tokens, variables, tx = lm_deviceless.plan_inputs(config, DEVICES)
     started, cached = time.perf_counter(), len(cache)
     plan = bsr_jax.plan(lm, loss_fn, tokens, variables=variables, optimizer=tx, budget=f"{fraction * HBM_GIB[target]}GiB", target=target,
-                        options=PLAN_OPTIONS, loss_chunk=LOSS_CHUNK, cache=cache)  # fmt: skip
-    return dict(model=model, target=target, setting=f"plan {fraction}", batch_per_device=batch, seq_len=seq_len, peak_gib=plan.peak / GIB,
+                        options=PLAN_OPTIONS, loss_chunk=LOSS_CHUNK, cache=cache,
+                        value_and_grad=lm_deviceless.fsdp_value_and_grad(config) if step == "shard_map" else None)  # fmt: skip
+    return dict(model=model, target=target, setting=f"{PLAN_STEPS[step]} {fraction}", batch_per_device=batch, seq_len=seq_len, peak_gib=plan.peak / GIB,
                 roofline_ms=plan.compiled.roofline_seconds * 1e3, modelled_ms=plan.modelled_seconds * 1e3, chosen=plan.label, search_s=time.perf_counter() - started, compiles=len(cache) - cached,
                 tried=[dict(label=m.label, peak_gib=m.peak / GIB, modelled_ms=m.seconds * 1e3) for m in plan.tried],
                 attention="cuDNN flash" if target == "h100" else "XLA (holds the scores)")  # fmt: skip
@@ -103,11 +108,11 @@ def plan_row(model: str, target: str, fraction: float, batch: int, seq_len: int,
 
 def plans(rows: list[dict]) -> str:
     """The plan rows beside the search's own dense and remat per layer (the same jitted program)
-    and the fastest ``shard_map`` setting above that fits the device. Times are the planner's
+    (the same step) and the fastest ``shard_map`` setting above that fits the device. Times are the planner's
     (``CompiledStep.modelled_seconds``: the roofline on H100; on TPU v5p XLA's model where it times
     the step, else the roofline scaled as it timed the first), the settings' the roofline's."""
-    lines = ["| model | target | batch/device | budget | chosen | peak GiB | modelled ms (planner's) | jit dense | jit remat per layer | vs jit remat | "
-             "fastest shard_map setting within the device | search s (compiles) |", "|---|---|---:|---|---|---:|---:|---|---|---:|---|---:|"]  # fmt: skip
+    lines = ["| model | target | batch/device | step planned | budget | chosen | peak GiB | modelled ms (planner's) | its dense | its remat per layer | vs its remat | "
+             "fastest shard_map setting within the device | search s (compiles) |", "|---|---|---:|---|---|---|---:|---:|---|---|---:|---|---:|"]  # fmt: skip
     for r in (r for r in rows if "chosen" in r):
         tried = {t["label"]: t for t in r["tried"]}
         dense, remat = tried.get("1xkeep, rest keep"), tried.get("1xremat, rest keep")
@@ -119,7 +124,7 @@ def plans(rows: list[dict]) -> str:
         modelled = tried[r["chosen"]]["modelled_ms"]
         versus = f"{modelled / remat['modelled_ms']:.3f}x" if remat else ""
         shard_map = f"{best['setting']}: {best['peak_gib']:.1f} GiB, {best['roofline_ms']:.0f} ms" if best else "none measured"
-        lines.append(f"| {r['model']} | {r['target']} | {r['batch_per_device']} | {r['setting'].split()[1]} x {HBM_GIB[r['target']]:.0f} GiB | "
+        lines.append(f"| {r['model']} | {r['target']} | {r['batch_per_device']} | {r['setting'].split()[0]} | {r['setting'].split()[1]} x {HBM_GIB[r['target']]:.0f} GiB | "
                      f"{r['chosen']} | {r['peak_gib']:.1f} | {modelled:.0f} | {cell(dense)} | {cell(remat)} | {versus} | {shard_map} | "
                      f"{r['search_s']:.0f} ({r['compiles']}) |")  # fmt: skip
     return "\n".join(lines)
@@ -166,6 +171,7 @@ def main(argv=None) -> None:
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     parser.add_argument("--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="none: only the plans")
     parser.add_argument("--plan-budgets", nargs="*", type=float, default=[], help="bsr_jax.plan within these fractions of the device's memory")
+    parser.add_argument("--plan-step", choices=list(PLAN_STEPS), default="shard_map", help="the step planned: train.lm's own, or jax.jit's")
     parser.add_argument("--batch", type=int, choices=(1, 2), default=1, help="sequences per device")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--out", default="benchmarks/results/scale-layerwise.json")
@@ -190,11 +196,11 @@ def main(argv=None) -> None:
                         json.dump(rows, f, indent=1)
                 cache: dict = {}  # the budgets' searches share their compiles
                 for fraction in args.plan_budgets:
-                    if (model, target, f"plan {fraction}", args.batch, args.seq_len) in done:
+                    if (model, target, f"{PLAN_STEPS[args.plan_step]} {fraction}", args.batch, args.seq_len) in done:
                         continue
                     print(f"[scale] {model} {target} plan within {fraction} of {HBM_GIB[target]:.0f} GiB batch {args.batch}/device ...",
                           file=sys.stderr, flush=True)  # fmt: skip
-                    rows.append(plan_row(model, target, fraction, args.batch, args.seq_len, cache) | {"run": run_metadata()})
+                    rows.append(plan_row(model, target, fraction, args.batch, args.seq_len, cache, args.plan_step) | {"run": run_metadata()})
                     print(f"[scale]   {rows[-1]['chosen']}: {rows[-1]['peak_gib']:.1f} GiB, {rows[-1]['roofline_ms']:.0f} ms, "
                           f"searched in {rows[-1]['search_s']:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
                     with open(args.out, "w") as f:

@@ -42,15 +42,16 @@ class Family(Protocol):
 
     def assemble(self, choices: Sequence[str], rest: str) -> Any: ...
 
-    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array], microbatches: int = 1) -> Callable[..., Any]: ...
+    def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array], microbatches: int = 1,
+             value_and_grad: Callable[..., Any] | None = None) -> Callable[..., Any]: ...
 
 class Candidates:
     """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
 
     def __init__(self, family: Family, loss_fns: Mapping[str, Callable[..., jax.Array]], batch, optimizer, target, progress, cache,
-                 microbatches: int = 1, mesh: Mesh | None = None):  # fmt: skip
+                 microbatches: int = 1, mesh: Mesh | None = None, value_and_grad: Callable[..., Any] | None = None):  # fmt: skip
         self.family, self.loss_fns, self.batch, self.optimizer, self.target, self.progress = family, loss_fns, batch, optimizer, target, progress
-        self.microbatches, self.mesh = microbatches, mesh
+        self.microbatches, self.mesh, self.value_and_grad = microbatches, mesh, value_and_grad
         self.opt_state = jax.eval_shape(optimizer.init, family.params)
         if mesh is not None:
             self.opt_state = placement.optimizer_state_on_mesh(optimizer, family.params, self.opt_state, mesh)
@@ -63,6 +64,7 @@ class Candidates:
         leaves, structure = jax.tree.flatten((family.state, batch))
         placed = tuple(str(getattr(a, "sharding", None) and a.sharding.spec) for a in leaves) if mesh else ()
         self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches,
+                      value_and_grad and getattr(value_and_grad, "__qualname__", repr(value_and_grad)),
                       mesh and tuple(mesh.shape.items()), placed)  # fmt: skip
         # Every candidate holds its arguments (their shards, over a mesh) at once: a floor under any compiled peak.
         self.argument_bytes = placement.bytes_per_device((family.state, self.opt_state, batch))
@@ -76,7 +78,7 @@ class Candidates:
         """The hash of the candidate's lowered step: lowering is cheap, compiling is not."""
         key = (tuple(choices), rest, loss)
         if key not in self.lowered:
-            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss], self.microbatches)
+            step = self.family.step(self.family.assemble(choices, rest), self.optimizer, self.loss_fns[loss], self.microbatches, self.value_and_grad)
             with self.on_mesh():
                 lowered = lower_for(step, self.family.state, self.opt_state, *self.batch, target=self.target, donate_argnums=(0, 1),
                                     devices=self.mesh.size if self.mesh else 1)  # fmt: skip

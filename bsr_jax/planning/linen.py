@@ -126,11 +126,12 @@ class Linen:
         return assemble(self.model, self.blocks, choices, rest, self.outside)
 
     def step(self, module: nn.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array],
-             microbatches: int = 1) -> Callable[..., Any]:  # fmt: skip
+             microbatches: int = 1, value_and_grad: Callable[..., Any] | None = None) -> Callable[..., Any]:  # fmt: skip
         def step(variables, opt_state, *batch):
             others = {k: v for k, v in variables.items() if k != "params"}
             loss = lambda p, *piece: loss_fn(module, others | {"params": p}, *piece)  # noqa: E731
-            value, grads = accumulated_value_and_grad(loss, microbatches)(variables["params"], *batch)
+            grad = value_and_grad(loss) if value_and_grad else accumulated_value_and_grad(loss, microbatches)
+            value, grads = grad(variables["params"], *batch)
             updates, opt_state = optimizer.update(grads, opt_state, variables["params"])
             return others | {"params": optax.apply_updates(variables["params"], updates)}, opt_state, value
 

@@ -155,9 +155,9 @@ class Nnx:
         return compress_model(module, rules, lean=False) if rules else module
 
     def step(self, module: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array],
-             microbatches: int = 1) -> Callable[..., Any]:  # fmt: skip
-        if microbatches != 1:  # plan refuses it first; the forward's state updates would need threading per slice
-            raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
+             microbatches: int = 1, value_and_grad: Callable[..., Any] | None = None) -> Callable[..., Any]:  # fmt: skip
+        if microbatches != 1 or value_and_grad is not None:  # plan refuses them first; the forward's state updates would need threading
+            raise ValueError("microbatches > 1 and value_and_grad need a flax.linen model (NNX: not yet)")
         graphdef = nnx.graphdef(module)
 
         def step(state, opt_state, *batch):

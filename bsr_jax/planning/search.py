@@ -97,7 +97,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
          budget: float | str, target: str = "h100", options: Sequence[str] | None = None,
          rest_options: Sequence[str] | None = None, approximate: bool = False, verify: int = 3,
          variables: Any = None, init_args: Sequence[Any] | None = None, progress: bool = True,
-         cache: dict | None = None, loss_chunk: int | None = None, microbatches: int | str = 1) -> Plan:  # fmt: skip
+         cache: dict | None = None, loss_chunk: int | None = None, microbatches: int | str = 1,
+         value_and_grad: Callable[..., Any] | None = None) -> Plan:  # fmt: skip
     """The fastest plan (least modelled step time) whose compiled step fits ``budget`` on ``target``.
 
     Args:
@@ -156,6 +157,13 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         step at the fewest micro-batches (2, 4 or 8, dividing the batch) that fits the budget, a
         fractional budget being of the whole batch's dense step (each count tried costs one or two
         compiles; the plan's ``dense`` stays the whole batch's).
+      value_and_grad: (linen, one micro-batch) how the step takes its gradient, as the user's step
+        does: ``value_and_grad(loss) -> (params, *batch) -> (loss value, grads)``, with ``loss(params,
+        *batch) -> scalar``; default ``jax.value_and_grad``. For a step that is not plain autodiff
+        under ``jax.jit``, e.g. FSDP written with ``jax.shard_map`` (train.lm's, which gathers each
+        scanned layer's parameters as it runs): traced under ``jax.set_mesh`` of the target's mesh,
+        so it may read it with ``jax.sharding.get_abstract_mesh()``. A model's own ``nn.remat``
+        around a block takes the plan's policy for that block as well (it keeps what both keep).
 
     Returns:
       a ``Plan`` (its ``str`` is a table). Its ``model`` is used in the user's step as it is
@@ -192,13 +200,16 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     microbatches = check_microbatches(microbatches, batch, auto=True)
     if microbatches != 1 and family_type is not Linen:
         raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
+    if value_and_grad is not None and (family_type is not Linen or microbatches != 1 or not callable(value_and_grad)):
+        raise ValueError("value_and_grad must be a callable, for a flax.linen model at microbatches=1 (NNX and micro-batches: not yet)"
+                         f", got {value_and_grad!r} for a {family_type.name} model at microbatches={microbatches}")  # fmt: skip
     _check_loss(loss_fn, family_type, batch)
     loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
     family: Family = family_type(model, loss_fn, batch, variables, init_args)
     mesh = placement.target_mesh((family.state, batch), target)
     if mesh is not None:  # the user's shardings, on the target's devices
         family.state, family.params, batch = placement.on_mesh((family.state, family.params, batch), mesh)
-    search = Candidates(family, loss_fns, batch, optimizer, target, progress, cache, microbatches, mesh)
+    search = Candidates(family, loss_fns, batch, optimizer, target, progress, cache, microbatches, mesh, value_and_grad)
     blocks = family.blocks
     n = len(blocks)
     if progress:
@@ -300,7 +311,8 @@ def _plan(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[..
     model = family.assemble(choices, rest)
     # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
     with search.on_mesh():
-        table = layer_table(family.step(model, search.optimizer, loss_fns[loss], search.microbatches), family.state, search.opt_state, *search.batch)
+        step = family.step(model, search.optimizer, loss_fns[loss], search.microbatches, search.value_and_grad)
+        table = layer_table(step, family.state, search.opt_state, *search.batch)
     return Plan(model=model, loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, table=table,
                 microbatches=search.microbatches, mesh=dict(search.mesh.shape) if search.mesh else None)  # fmt: skip

@@ -59,6 +59,7 @@ from jax.extend import core as jax_core
 from jax.extend import source_info_util
 from jax.extend.core.primitives import name_p
 
+from bsr_jax.core import jax_private
 from bsr_jax.ops import head_loss
 from bsr_jax.ops.dx import stored_compressed
 from bsr_jax.core.names import RESIDUAL_NAME
@@ -255,12 +256,39 @@ def _lean_scan(eqn: Any, values: list[Any], treatment: Treatment, computed: list
     return [*carry, *ys]
 
 
+def _within(outer: Callable[..., Any] | None, inner: Callable[..., Any] | None) -> Callable[..., Any]:
+    """A ``jax.checkpoint`` policy keeping what both keep (``None``: nothing), where ``outer``
+    keeps it (on the device or offloaded). JAX lets a checkpoint's own policy decide what is kept of
+    its computation even inside another checkpoint, so a model's own ``nn.remat`` (train.lm's, which
+    keeps all but the parameters it gathers) inside a ``Remat`` module would keep what the Remat's
+    policy recomputes; composed, the module keeps no more than both allow."""
+    outer, inner = outer or jax.checkpoint_policies.nothing_saveable, inner or jax.checkpoint_policies.nothing_saveable
+
+    def keeps(prim, *avals, **params):
+        kept = jax_private.ensure_enum(outer(prim, *avals, **params))
+        if isinstance(kept, jax_private.RecomputeType) or isinstance(jax_private.ensure_enum(inner(prim, *avals, **params)), jax_private.RecomputeType):
+            return False
+        return kept
+
+    return keeps
+
+
+def _remat_inside(eqn: Any, treatment: Treatment | None) -> Remat | None:
+    """The ``Remat`` mode of a module whose computation a model's own checkpoint (``eqn``, an
+    ``nn.remat`` around a scanned layer, traced without a module path of its own) holds, if any."""
+    if treatment is None or eqn.primitive.name != "remat2":
+        return None
+    modes = (treatment.mode(module_path(e.source_info.name_stack))[1] for e in eqn.params["jaxpr"].eqns)
+    return next((m for m in modes if isinstance(m, Remat)), None)
+
+
 def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], treatment: Treatment | None,
-                 arguments: frozenset[Any] = frozenset()) -> Callable[..., list[Any]]:  # fmt: skip
+                 arguments: frozenset[Any] = frozenset(), within: Remat | None = None) -> Callable[..., list[Any]]:  # fmt: skip
     """The segment's equations as a function of ``ins`` returning ``outs``; a ``scan`` among them
     evaluates its body as ``evaluate`` does (``_lean_scan``; ``arguments``: the variables that are
     the step's arguments, not computed), or as bound where ``treatment`` is None (inside a
-    ``Remat`` module, whose checkpoint decides for all of it)."""
+    ``Remat`` module, whose checkpoint decides for all of it: ``within``, whose policy the
+    module's own checkpoints take as well, ``_within``)."""
 
     def run(*values):
         env = dict(zip(ins, values))
@@ -274,7 +302,11 @@ def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], treatment:
                     computed = [isinstance(v, jax_core.Var) and v not in arguments for v in eqn.invars]
                     out = _lean_scan(eqn, invals, treatment, computed)
                 else:
-                    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                    params = eqn.params
+                    remat = within or _remat_inside(eqn, treatment)
+                    if remat is not None and eqn.primitive.name == "remat2":
+                        params = {**params, "policy": _within(remat.policy, params["policy"])}
+                    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
             env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
         return [env[v] for v in outs]
 
@@ -339,7 +371,7 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], treatment: Treatmen
         outs = [v for eqn in unit for v in eqn.outvars if v in after]
         values = [env[v] for v in ins]
         if isinstance(mode, Remat):
-            segment_fn = jax.checkpoint(_run_segment(run, ins, outs, None, arguments), policy=mode.policy)
+            segment_fn = jax.checkpoint(_run_segment(run, ins, outs, None, arguments, within=mode), policy=mode.policy)
         elif mode is False:
             segment_fn = _run_segment(run, ins, outs, treatment, arguments)
         else:

@@ -78,6 +78,29 @@ def test_remat_by_path_is_exact_and_keeps_less(scan):
     assert kept["dense"] - 64 <= kept["plain"] <= kept["dense"]
 
 
+class OwnRematNet(nn.Module):
+    """Layers under ``nn.scan``, each in the model's own ``nn.remat`` with a policy that keeps all
+    (as train.lm's FSDP step wraps each layer to keep all but its gathered parameters)."""
+
+    @nn.compact
+    def __call__(self, x):
+        layer = nn.remat(ScanBlock, policy=jax.checkpoint_policies.everything_saveable)
+        x, _ = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)(name="layers")(nn.Dense(64)(x), None)
+        return nn.Dense(10)(x)
+
+
+def test_remat_of_a_block_the_model_remats_itself_keeps_what_both_policies_keep():
+    """The plan's remat of a block inside the model's own ``nn.remat``: JAX lets the inner
+    checkpoint's policy decide what its computation keeps, so the plan's remat kept all (train.lm's
+    8b: remat per layer compiled to the dense program, 93.0 GiB); composed, it keeps the layer's input."""
+    net = OwnRematNet()
+    v = net.init(jax.random.key(1), X)
+    remat = bsr_jax.compress_model(net, Rule("*", None), lean=False, remat=[("layers", None)])
+    chex.assert_trees_all_close(jax.jit(jax.grad(_loss(remat)))(v), jax.jit(jax.grad(_loss(net)))(v), rtol=1e-5, atol=1e-7)
+    kept = {name: bsr_jax.residual_bytes(_loss(m), v).total for name, m in (("own", net), ("remat", remat))}
+    assert kept["remat"] < kept["own"] / 3
+
+
 def test_remat_of_some_blocks_keeps_between_none_and_all():
     net = Net()
     v = net.init(jax.random.key(1), X)
@@ -348,6 +371,22 @@ def test_a_candidate_over_the_devices_memory_is_remembered_as_not_fitting(compil
     calls.clear()
     with pytest.raises(ValueError, match=r"the dense step does not compile on h100 .* give bytes"):
         planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget=0.5, target="h100", cache={}, **FEW)
+
+
+def test_the_step_takes_its_gradient_as_the_users_value_and_grad_says():
+    """``value_and_grad``: the user's own gradient (train.lm's shard_map FSDP, here one that halves
+    the loss), traced into every candidate; a hook for NNX or with micro-batches is refused."""
+    used = []
+
+    def halved(loss):
+        used.append(loss)
+        return jax.value_and_grad(lambda p, *batch: loss(p, *batch) / 2)
+
+    plan = planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1GiB", target="h100", progress=False,
+                        value_and_grad=halved)  # fmt: skip
+    assert used and plan.peak == plan.dense.peak
+    with pytest.raises(ValueError, match="value_and_grad must be a callable, for a flax.linen model at microbatches=1"):
+        planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1GiB", target="h100", microbatches=2, value_and_grad=halved)
 
 
 def test_the_table_marks_approximate_choices_with_their_error():
