@@ -57,14 +57,11 @@ import jax
 import numpy as np
 from jax.extend import core as jax_core
 from jax.extend import source_info_util
-from jax.extend.core.primitives import name_p
 
-from bsr_jax.core import jax_private
+from bsr_jax.measure.report import module_path
 from bsr_jax.ops import head_loss
 from bsr_jax.ops.dx import stored_compressed
-from bsr_jax.core.names import RESIDUAL_NAME
-from bsr_jax.core.names import LEAN_NAME
-from bsr_jax.measure.report import module_path
+from bsr_jax.rewrite.lean_policy import both, policy, recomputed
 
 # A bsr_jax.ops.dx format for every module, or (pattern, format or None) rules by module path.
 DxRules = str | Sequence[tuple[str, str | None]] | None
@@ -119,46 +116,6 @@ class Treatment:
                 return prefix, mode
         mode = next((m for pattern, m in self.modes if fnmatch.fnmatchcase("/".join(parts), pattern)), True)
         return None, bool(mode)
-
-# Primitives whose outputs are recomputed rather than kept: elementwise math, comparisons and
-# selects, layout changes, reductions and scans over an axis, gathers (embedding lookups), random
-# bits (dropout masks recompute from their key). Anything else (sort, FFT, custom calls, ...) is kept.
-CHEAP = frozenset(
-    """
-    add sub mul div rem neg max min abs sign exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv
-    rsqrt sqrt cbrt pow integer_pow square sin cos tan atan2 floor ceil round is_finite nextafter clamp
-    select_n eq ne lt le gt ge and or not xor shift_left shift_right_logical shift_right_arithmetic
-    population_count convert_element_type reduce_precision reshape broadcast_in_dim transpose squeeze
-    expand_dims slice dynamic_slice dynamic_update_slice concatenate pad rev iota copy copy_p split
-    gather reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin cumsum
-    cumlogsumexp cummax cummin stop_gradient random_bits random_wrap random_unwrap random_seed
-    threefry2x32
-    """.split()
-)
-
-
-# Primitives that only call a jaxpr (``jax.nn.relu`` is a ``custom_jvp`` around a ``jit``): kept or
-# recomputed as what they call.
-CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call"})
-
-
-def policy(prim, *avals, **params) -> bool:
-    """A ``jax.checkpoint`` policy: True where the output is kept rather than recomputed."""
-    del avals
-    if prim is name_p:
-        return params["name"] in (RESIDUAL_NAME, LEAN_NAME)
-    if prim.name == "dot_general":  # batch axes: attention-like, two activations; else a linear layer
-        (_, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
-        return not (lhs_batch or rhs_batch)
-    if prim.name in CALLS:
-        return not all(recomputed(e) for jaxpr in jax_core.jaxprs_in_params(params) for e in jaxpr.eqns)
-    return prim.name not in CHEAP
-
-
-def recomputed(eqn: Any) -> bool:
-    """Whether ``policy`` recomputes ``eqn``'s outputs rather than keeping them."""
-    return not policy(eqn.primitive, **eqn.params)
-
 
 def _segments(eqns: list[Any]) -> tuple[list[list[Any]], list[str]]:
     """Maximal runs of consecutive equations with one module path (einsum specs and transform
@@ -256,23 +213,6 @@ def _lean_scan(eqn: Any, values: list[Any], treatment: Treatment, computed: list
     return [*carry, *ys]
 
 
-def _within(outer: Callable[..., Any] | None, inner: Callable[..., Any] | None) -> Callable[..., Any]:
-    """A ``jax.checkpoint`` policy keeping what both keep (``None``: nothing), where ``outer``
-    keeps it (on the device or offloaded). JAX lets a checkpoint's own policy decide what is kept of
-    its computation even inside another checkpoint, so a model's own ``nn.remat`` (train.lm's, which
-    keeps all but the parameters it gathers) inside a ``Remat`` module would keep what the Remat's
-    policy recomputes; composed, the module keeps no more than both allow."""
-    outer, inner = outer or jax.checkpoint_policies.nothing_saveable, inner or jax.checkpoint_policies.nothing_saveable
-
-    def keeps(prim, *avals, **params):
-        kept = jax_private.ensure_enum(outer(prim, *avals, **params))
-        if isinstance(kept, jax_private.RecomputeType) or isinstance(jax_private.ensure_enum(inner(prim, *avals, **params)), jax_private.RecomputeType):
-            return False
-        return kept
-
-    return keeps
-
-
 def _remat_inside(eqn: Any, treatment: Treatment | None) -> Remat | None:
     """The ``Remat`` mode of a module whose computation a model's own checkpoint (``eqn``, an
     ``nn.remat`` around a scanned layer, traced without a module path of its own) holds, if any."""
@@ -288,7 +228,7 @@ def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], treatment:
     evaluates its body as ``evaluate`` does (``_lean_scan``; ``arguments``: the variables that are
     the step's arguments, not computed), or as bound where ``treatment`` is None (inside a
     ``Remat`` module, whose checkpoint decides for all of it: ``within``, whose policy the
-    module's own checkpoints take as well, ``_within``)."""
+    module's own checkpoints take as well, ``lean_policy.both``)."""
 
     def run(*values):
         env = dict(zip(ins, values))
@@ -305,7 +245,7 @@ def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], treatment:
                     params = eqn.params
                     remat = within or _remat_inside(eqn, treatment)
                     if remat is not None and eqn.primitive.name == "remat2":
-                        params = {**params, "policy": _within(remat.policy, params["policy"])}
+                        params = {**params, "policy": both(remat.policy, params["policy"])}
                     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
             env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
         return [env[v] for v in outs]

@@ -1,0 +1,70 @@
+"""What a lean segment keeps (``policy``: products and what is not cheap to recompute), and
+``both``: a policy keeping what two keep, for a model's own checkpoint inside a block the plan remats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jax_core
+from jax.extend.core.primitives import name_p
+
+from bsr_jax.core import jax_private
+from bsr_jax.core.names import LEAN_NAME, RESIDUAL_NAME
+
+# Primitives whose outputs are recomputed rather than kept: elementwise math, comparisons and
+# selects, layout changes, reductions and scans over an axis, gathers (embedding lookups), random
+# bits (dropout masks recompute from their key). Anything else (sort, FFT, custom calls, ...) is kept.
+CHEAP = frozenset(
+    """
+    add sub mul div rem neg max min abs sign exp exp2 log log1p expm1 tanh logistic erf erfc erf_inv
+    rsqrt sqrt cbrt pow integer_pow square sin cos tan atan2 floor ceil round is_finite nextafter clamp
+    select_n eq ne lt le gt ge and or not xor shift_left shift_right_logical shift_right_arithmetic
+    population_count convert_element_type reduce_precision reshape broadcast_in_dim transpose squeeze
+    expand_dims slice dynamic_slice dynamic_update_slice concatenate pad rev iota copy copy_p split
+    gather reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin cumsum
+    cumlogsumexp cummax cummin stop_gradient random_bits random_wrap random_unwrap random_seed
+    threefry2x32
+    """.split()
+)
+
+
+# Primitives that only call a jaxpr (``jax.nn.relu`` is a ``custom_jvp`` around a ``jit``): kept or
+# recomputed as what they call.
+CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call"})
+
+
+def policy(prim, *avals, **params) -> bool:
+    """A ``jax.checkpoint`` policy: True where the output is kept rather than recomputed."""
+    del avals
+    if prim is name_p:
+        return params["name"] in (RESIDUAL_NAME, LEAN_NAME)
+    if prim.name == "dot_general":  # batch axes: attention-like, two activations; else a linear layer
+        (_, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
+        return not (lhs_batch or rhs_batch)
+    if prim.name in CALLS:
+        return not all(recomputed(e) for jaxpr in jax_core.jaxprs_in_params(params) for e in jaxpr.eqns)
+    return prim.name not in CHEAP
+
+
+def recomputed(eqn: Any) -> bool:
+    """Whether ``policy`` recomputes ``eqn``'s outputs rather than keeping them."""
+    return not policy(eqn.primitive, **eqn.params)
+
+
+def both(outer: Callable[..., Any] | None, inner: Callable[..., Any] | None) -> Callable[..., Any]:
+    """A ``jax.checkpoint`` policy keeping what both keep (``None``: nothing), where ``outer``
+    keeps it (on the device or offloaded). JAX lets a checkpoint's own policy decide what is kept of
+    its computation even inside another checkpoint, so a model's own ``nn.remat`` (train.lm's, which
+    keeps all but the parameters it gathers) inside a ``Remat`` module would keep what the Remat's
+    policy recomputes; composed, the module keeps no more than both allow."""
+    outer, inner = outer or jax.checkpoint_policies.nothing_saveable, inner or jax.checkpoint_policies.nothing_saveable
+
+    def keeps(prim, *avals, **params):
+        kept = jax_private.ensure_enum(outer(prim, *avals, **params))
+        if isinstance(kept, jax_private.RecomputeType) or isinstance(jax_private.ensure_enum(inner(prim, *avals, **params)), jax_private.RecomputeType):
+            return False
+        return kept
+
+    return keeps
