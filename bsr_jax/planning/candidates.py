@@ -129,7 +129,8 @@ class Candidates:
                 if predicted:
                     how += f" (predicted {predicted[0] / 2**20:,.0f} MiB, {predicted[1] * 1e3:.2f} ms)"
                 if untimed:
-                    how += " (time: the roofline's, scaled as XLA's model timed the first step; XLA's cannot time this one)"
+                    how += (" (time: the roofline's, scaled as XLA's model timed the first step; XLA's cannot time this one)" if self.time_scale
+                            else " (time: the roofline's; XLA's model timed no step of this search)")  # fmt: skip
                 approximate = "; approximate: " + "; ".join(measured.approximations.values()) if measured.approximations else ""
                 print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
                       f"{seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
