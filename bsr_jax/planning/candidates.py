@@ -7,6 +7,7 @@ the bytes XLA said it needs as its peak (``Measured.compiled`` False), not raise
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import re
@@ -119,6 +120,7 @@ class Candidates:
                 seconds = compiled.roofline_seconds * (self.time_scale or 1.0)
             elif compiled.roofline_seconds and self.time_scale is None:
                 self.time_scale = seconds / compiled.roofline_seconds
+                self._rescale_untimed()
             measured = Measured(choices_by_path, compiled.peak, seconds)
             if not same:
                 self.programs[program] = (measured.label, compiled)
@@ -144,7 +146,18 @@ class Candidates:
 
     def compiled(self, measured: Measured) -> CompiledStep:
         """The compiled step of a candidate measured before."""
-        return next(step for m, step in self.cache.values() if m is measured)
+        return next(step for m, step in self.cache.values() if m.choices == measured.choices)
+
+    def current(self, measured: Measured) -> Measured:
+        """``measured`` as the cache holds it now (its time rescaled where XLA's model timed a later step)."""
+        return next(m for m, _ in self.cache.values() if m.choices == measured.choices)
+
+    def _rescale_untimed(self) -> None:
+        """Steps XLA's model could not time before it timed one took the roofline's time unscaled:
+        scaled now, as every later one is, so that one search compares one instrument."""
+        for key, (m, step) in self.cache.items():
+            if step is not None and step.modelled_seconds is None:
+                self.cache[key] = self.shared[(self.scope, *key)] = (dataclasses.replace(m, seconds=step.roofline_seconds * self.time_scale), step)
 
     def smallest(self, allowed: Callable[[tuple], bool] = lambda key: True) -> Measured:
         """The candidate of least peak among those ``allowed``, compiled ones first."""

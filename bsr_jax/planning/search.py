@@ -244,6 +244,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     remat = search.measure(["remat"] * n, "keep", breakdown=True)
     if remat.peak > limit and len(variants) == 1:
         raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
+    dense, remat = search.current(dense), search.current(remat)  # rescaled where XLA's model timed only a later step
     model = CostModel(blocks) if dense.compiled else None
     if model:
         model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks, dense.seconds))
@@ -263,6 +264,7 @@ def _modelled_search(search: Candidates, model: CostModel | None, names: Sequenc
     blocks = search.family.blocks
     keys = [(("remat",) * len(blocks), "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
     measured = [search.measure(*key, breakdown=True) for key in keys]
+    measured = [search.current(m) for m in measured]
     if model is None or not all(m.compiled for m in measured):
         return _fastest_fitting(search, names, variants, limit, infeasible)
     for key, m in zip(keys, measured):
@@ -308,6 +310,7 @@ def _fastest_fitting(search: Candidates, names: Sequence[str], variants: Sequenc
 def _plan(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[..., jax.Array]], key: tuple, limit: float, target: str,
           dense: Measured, remat: Measured | None) -> Plan:  # fmt: skip
     (chosen, compiled), (choices, rest, loss) = search.cache[key], key
+    dense, remat = search.current(dense), remat and search.current(remat)
     model = family.assemble(choices, rest)
     # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
     with search.on_mesh():

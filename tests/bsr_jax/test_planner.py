@@ -259,6 +259,16 @@ def test_a_step_xla_cannot_time_takes_the_roofline_as_the_timed_steps_compare(mo
     scale = dense.seconds / search.compiled(dense).roofline_seconds
     assert remat.seconds == pytest.approx(step.roofline_seconds * scale)
     assert "XLA's cannot time this one" in capsys.readouterr().err
+    # Untimed before any step was timed (train.lm's 8-device TPU steps): the roofline's, rescaled
+    # once XLA's model times one, so that the search compares one instrument.
+    made = [step, search.compiled(dense)]  # the two steps compiled above, handed out again in that order
+    monkeypatch.setattr(candidates, "compiled_memory", lambda *args, **kwargs: made.pop(0))
+    again = planner.Candidates(planner.Linen(Net(), _labels_loss, BATCH, None, None), {"plain": _labels_loss}, BATCH, optax.adamw(1e-3),
+                               "h100", False, None)  # fmt: skip
+    first = again.measure(["remat"] * 4, "keep")
+    assert first.seconds == pytest.approx(step.roofline_seconds)  # no scale yet
+    again.measure(["keep"] * 4, "keep")
+    assert again.current(first).seconds == pytest.approx(step.roofline_seconds * scale)
 
 
 class LMBlock(nn.Module):
