@@ -36,7 +36,6 @@ import numpy as np
 import pallas_kernels
 from bsr_jax.measure.hardware import H100, HARDWARE, TPU_V5P, Hardware  # noqa: F401  (roofline.H100 is read by callers)
 from bsr_jax.measure.hlo_text import (
-    DTYPE_BYTES,
     HOST_SPACE,
     Instr,
     arrays,

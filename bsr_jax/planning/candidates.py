@@ -29,8 +29,9 @@ class Family(Protocol):
     """What differs between linen models (``Linen``) and NNX ones (``bsr_jax.planning.nnx.Nnx``)
     for ``plan``, whose search is the same for both. Constructed as ``(model, loss_fn, batch,
     variables, init_args)``; ``assemble(choices, rest)``: the model with ``blocks[i]`` as
-    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer, loss_fn)``:
-    ``step(state, opt_state, *batch) -> (state, opt_state, loss)`` of that module."""
+    ``OPTIONS[choices[i]]``, the rest as ``OPTIONS[rest]``; ``step(module, optimizer, loss_fn,
+    microbatches, value_and_grad)``: ``step(state, opt_state, *batch) -> (state, opt_state, loss)``
+    of that module, its gradient as ``plan``'s arguments of those names say."""
 
     name: str  # the kind, for messages: "flax.linen"
     loss_args: tuple[str, ...]  # what loss_fn takes before the batch: ("module", "variables")
@@ -46,6 +47,7 @@ class Family(Protocol):
     def step(self, module: Any, optimizer: optax.GradientTransformation, loss_fn: Callable[..., jax.Array], microbatches: int = 1,
              value_and_grad: Callable[..., Any] | None = None) -> Callable[..., Any]: ...
 
+
 class Candidates:
     """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
 
@@ -57,7 +59,7 @@ class Candidates:
         if mesh is not None:
             self.opt_state = placement.optimizer_state_on_mesh(optimizer, family.params, self.opt_state, mesh)
         self.shared = cache if cache is not None else {}
-        self.cache: dict[tuple, tuple[Measured, CompiledStep]] = {}  # this search's, in order
+        self.cache: dict[tuple, tuple[Measured, CompiledStep | None]] = {}  # this search's, in order (None: XLA refused it)
         self.time_scale: float | None = None  # XLA:TPU's modelled time over the roofline's, of the first step it timed
         self.lowered: dict[tuple, tuple[str, Any]] = {}  # choices -> (the lowered program's hash, lowered)
         self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled

@@ -61,7 +61,8 @@ class Plan:
     applies it as is); ``microbatches``: how many slices of the batch the step's gradient is
     accumulated over (``bsr_jax.accumulated_value_and_grad(loss, microbatches)`` in the user's
     step); ``mesh``: the axes (name -> size) of the mesh the arguments were placed on, where they
-    were: then ``peak``, ``budget`` and the ``Measured`` peaks are one device's. Its ``str`` is a table marking every approximate choice with its documented error, then
+    were: then ``peak``, ``budget`` and the ``Measured`` peaks are one device's. Its ``str`` is a
+    table marking every approximate choice with its documented error, then
     ``table``."""
 
     model: nn.Module | nnx.Module

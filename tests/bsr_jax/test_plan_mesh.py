@@ -21,8 +21,8 @@ def _mesh(types=AxisType.Auto, shape=(4,), names=("data",)):
     return AbstractMesh(shape, names, axis_types=(types,) * len(shape))
 
 
-def _struct(shape, mesh=None, spec=P(), dtype=jnp.float32):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec) if mesh is not None else None)
+def _struct(shape, mesh=None, spec=None, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or P()) if mesh is not None else None)
 
 
 def test_the_arguments_mesh_is_rebuilt_on_the_targets_devices():
