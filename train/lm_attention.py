@@ -2,11 +2,17 @@
 
 ``"xla"``: ``causal_attention``, a hand-written softmax that holds the ``(B, H, T, T)`` scores and
 probabilities in f32, the form ``bsr_jax.compress_model``'s lean pass recognises in users' models.
-``"flash"``: ``flash_attention``, ``jax.nn.dot_product_attention(..., is_causal=True)`` with its
-implementation chosen by the platform the step is lowered for (``bsr_jax.core.platforms``), so a
-step compiled ahead of time for an H100 on a CPU host gets the GPU's: cuDNN's fused flash attention
-on a GPU, which never holds the ``(T, T)`` scores; XLA's elsewhere, on CPU and, for now, on TPU
-(Pallas splash attention for TPU is not wired yet), which computes what ``"xla"`` computes.
+``"flash"``: ``flash_attention``, with its implementation chosen by the platform the step is
+lowered for (``bsr_jax.core.platforms``), so a step compiled ahead of time for an H100 or a TPU on a
+CPU host gets the accelerator's: on a GPU ``jax.nn.dot_product_attention``'s cuDNN fused flash
+attention, on a TPU Pallas splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``,
+causal block mask, grouped heads), neither of which holds the ``(T, T)`` scores; XLA's
+``jax.nn.dot_product_attention`` on CPU, which computes what ``"xla"`` computes. Splash takes a
+sequence that is a multiple of 128 (its blocks: 512 where T allows, else 128) and a head dimension
+that is a multiple of 128; other shapes lower XLA's attention on TPU, with a warning. Inside a
+``jax.jit`` over a mesh with Auto axes (not inside ``shard_map``, where arrays are local already), the
+kernel runs per shard of the batch under ``jax.shard_map`` over every non-manual axis (a Pallas call
+is not partitioned by XLA).
 
 cuDNN's kernel takes bf16 or f16 (a float32 step runs XLA's on every platform) and a head dimension
 that is a multiple of 8, at most 128 before Hopper and 256 from it (jax raises otherwise, naming it).
@@ -67,15 +73,59 @@ def _cudnn_on_host() -> bool:
         return False
 
 
+SPLASH_LANES = 128  # splash's blocks and head dimension: multiples of the TPU's 128 lanes
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool = False) -> jax.Array:
+    """Causal Pallas splash attention (TPU) of ``q (B, T, H, Dh)``, ``k, v (B, T, KV, Dh)``, KV
+    dividing H (query head ``h`` reads key/value head ``h // (H / KV)``), output ``(B, T, H, Dh)`` in
+    q's dtype; T and Dh multiples of 128. ``interpret``: Pallas's interpreter (any backend, for tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+
+    seq_len, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    block = 512 if seq_len % 512 == 0 else SPLASH_LANES
+    sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+                                  block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)  # fmt: skip
+    mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq_len, seq_len))] * heads)
+    kernel = kernel_lib.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+    heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (B, T, H, Dh) <-> (B, H, T, Dh)
+    scaled = (q * (1.0 / math.sqrt(head_dim))).astype(q.dtype)  # splash scales nothing
+    return heads_first(_per_batch_shard(jax.vmap(kernel))(heads_first(scaled), heads_first(k), heads_first(v)))
+
+
+def _per_batch_shard(fn):
+    """``fn`` on each device's rows under ``jax.shard_map`` where the step is traced over a mesh
+    with non-manual axes (XLA does not partition a Pallas call: it would gather the batch); as it is
+    on one device or inside ``shard_map``."""
+
+    def mapped(*operands):
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = () if mesh.empty else tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual and mesh.shape[n] > 1)
+        if not axes:
+            return fn(*operands)
+        rows = jax.sharding.PartitionSpec(axes)
+        return jax.shard_map(fn, in_specs=(rows,) * len(operands), out_specs=rows, axis_names=set(axes))(*operands)
+
+    return mapped
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal ``jax.nn.dot_product_attention`` of ``q (B, T, H, Dh)``, ``k, v (B, T, KV, Dh)`` (KV
-    dividing H), output ``(B, T, H, Dh)`` in q's dtype: cuDNN's when lowered for a CUDA GPU (bf16/f16
-    inputs, cuDNN on the host), XLA's otherwise."""
+    """Causal attention of ``q (B, T, H, Dh)``, ``k, v (B, T, KV, Dh)`` (KV dividing H), output
+    ``(B, T, H, Dh)`` in q's dtype, by the platform lowered for: cuDNN's ``jax.nn.dot_product_attention``
+    on a CUDA GPU (bf16/f16 inputs, cuDNN on the host), Pallas splash attention on a TPU (T and Dh
+    multiples of 128), XLA's ``jax.nn.dot_product_attention`` otherwise."""
     xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or not _cudnn_on_host():
-        return xla(q, k, v)
-    cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
-    return by_lowering_platform(xla, {"cuda": cudnn}, q, k, v)
+    branches = {}
+    if q.dtype in (jnp.bfloat16, jnp.float16) and _cudnn_on_host():
+        branches["cuda"] = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    if q.shape[1] % SPLASH_LANES == 0 and q.shape[3] % SPLASH_LANES == 0:
+        branches["tpu"] = splash_attention
+    elif compiled.plugin_installed("tpu-v5p"):
+        warnings.warn(f"--attention flash: splash attention takes a sequence and head dimension that are multiples of {SPLASH_LANES}, got "
+                      f"T {q.shape[1]}, head dimension {q.shape[3]}: a step lowered here for a TPU runs XLA's attention, holding "
+                      "(B, heads, T, T) scores", stacklevel=2)  # fmt: skip
+    return by_lowering_platform(xla, branches, q, k, v) if branches else xla(q, k, v)
 
 
 def attention_fn(name: str):

@@ -10,9 +10,9 @@ layer runs and again for its backward), ``fsdp-remat`` (and ``nn.remat`` per lay
 ``fsdp-int8`` (and every residual in that format), ``fsdp-int4-remat``, and ``fsdp-<policy>`` for
 JAX's and MaxText's policies per layer (``--remat --remat-policy <policy>``). Every row: ``--scan``
 (one traced layer), bf16 compute, f32 master weights, ``--attention flash``
-(``jax.nn.dot_product_attention``: cuDNN's flash attention where the cuDNN library is installed,
-``pip install nvidia-cudnn-cu12``; without it, or on TPU, XLA's attention, which holds the scores:
-said per row).
+(cuDNN's flash attention on H100 where the cuDNN library is installed, ``pip install
+nvidia-cudnn-cu12``, without it XLA's attention, which holds the scores; Pallas splash attention on
+TPU v5p since 2026-11-28, XLA's attention in rows measured before: said per row).
 Rows are appended to the JSON as they finish; rows already there are skipped (resumable).
 
 ``--plan-budgets 0.5 0.7`` (fractions of the device's memory, ``HBM_GIB``) adds ``bsr_jax.plan``'s
@@ -65,6 +65,7 @@ SETTINGS = {
        for policy in ("remat-dots", "remat-dots-attention", "remat-minimal", "remat-save-qkv", "remat-save-dots-except-mlp", "remat-offload-qkv")},
 }
 TARGETS = ("h100", "tpu-v5p")
+ATTENTION = {"h100": "cuDNN flash", "tpu-v5p": "Pallas splash"}  # --attention flash by target (T 8192: splash's shapes)
 HBM_GIB = {"h100": 80.0, "tpu-v5p": 95.0}  # memory per device: an H100 SXM's 80 GiB, a TPU v5p chip's 95 GiB
 
 
@@ -79,7 +80,7 @@ def measure(model: str, target: str, setting: str, batch: int, seq_len: int) -> 
     fallback = any("attention" in str(w.message) for w in caught)
     return dict(model=model, target=target, setting=setting, batch_per_device=batch, seq_len=seq_len, peak_gib=r.peak / GIB,
                 roofline_ms=r.roofline_seconds * 1e3, xla_tpu_ms=r.optimal_seconds and r.optimal_seconds * 1e3,
-                attention="XLA (holds the scores)" if fallback or target != "h100" else "cuDNN flash",
+                attention="XLA (holds the scores)" if fallback else ATTENTION[target],
                 compile_s=time.perf_counter() - started)  # fmt: skip
 
 
@@ -103,7 +104,7 @@ def plan_row(model: str, target: str, fraction: float, batch: int, seq_len: int,
     return dict(model=model, target=target, setting=f"{PLAN_STEPS[step]} {fraction}", batch_per_device=batch, seq_len=seq_len, peak_gib=plan.peak / GIB,
                 roofline_ms=plan.compiled.roofline_seconds * 1e3, modelled_ms=plan.modelled_seconds * 1e3, chosen=plan.label, search_s=time.perf_counter() - started, compiles=len(cache) - cached,
                 tried=[dict(label=m.label, peak_gib=m.peak / GIB, modelled_ms=m.seconds * 1e3) for m in plan.tried],
-                attention="cuDNN flash" if target == "h100" else "XLA (holds the scores)")  # fmt: skip
+                attention=ATTENTION[target])  # fmt: skip
 
 
 def plans(rows: list[dict]) -> str:

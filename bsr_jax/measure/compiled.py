@@ -313,10 +313,12 @@ def uses_triton_gemm(hlo_text: str) -> bool:
 def _tpu_seconds(optimal: float | None, modelled: roofline_lib.Roofline | None) -> float | None:
     """XLA:TPU's step time with every while-loop body counted as often as it runs: XLA's cost model
     counts a body once (a scan over the same work in 1, 2, 4 and 8 trips: 101, 49, 39 and 33 us on
-    TPU v5p), so its figure is scaled by the roofline's, which counts the trips."""
+    TPU v5p), so its figure is scaled by the roofline's, which counts the trips; plus the roofline's
+    time of the kernels XLA's model cannot see (splash attention: XLA counted 5 MFLOP for a
+    program whose splash kernels compute 14.5 GFLOP)."""
     if optimal is None or modelled is None or not modelled.seconds_loops_once:
         return optimal
-    return optimal * modelled.seconds / modelled.seconds_loops_once
+    return optimal * modelled.seconds / modelled.seconds_loops_once + modelled.uncosted_seconds
 
 
 def compiled_memory(

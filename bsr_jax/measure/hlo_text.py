@@ -62,11 +62,32 @@ def parse_instr(line: str) -> Instr | None:
     return Instr(m.group(2), type_, opcode, operands, rest[paren + 1 : close - 1], rest[close:], bool(m.group(1)))
 
 
+def _logical_lines(text: str) -> Iterator[str]:
+    """The text's lines, an instruction whose attributes run over several lines joined into one
+    (Mosaic kernels' ``frontend_attributes={kernel_metadata={...}}`` hold a JSON with line breaks:
+    a continuation line starting with ``}}`` read as the computation's end hid every instruction
+    after Pallas splash attention's forward kernel)."""
+    pending = ""
+    for line in text.splitlines():
+        if pending:
+            pending += line
+        elif line.startswith(" ") and line.count("{") > line.count("}"):
+            pending = line
+        else:
+            yield line
+            continue
+        if pending.count("{") <= pending.count("}"):
+            yield pending
+            pending = ""
+    if pending:
+        yield pending
+
+
 def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
     """Computations of an HLO module's text, by name, and the entry computation's name."""
     computations: dict[str, list[Instr]] = {}
     entry, current = "", None
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         header = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
         if header and not line.startswith(" "):
             current = computations.setdefault(header.group(2), [])

@@ -88,6 +88,9 @@ class Roofline:
     # The same program with every while-loop body counted once, whatever its trip count, as
     # XLA:TPU's cost model counts it (``bsr_jax.compiled_memory`` scales that model by their ratio).
     seconds_loops_once: float = 0.0
+    # Kernels whose cost XLA's model cannot see (Pallas splash attention: a Mosaic call without a
+    # cost estimate), loops counted: what ``bsr_jax.compiled_memory`` adds to XLA:TPU's time.
+    uncosted_seconds: float = 0.0
 
     def top(self, n: int = 10) -> tuple[Kernel, ...]:
         return self.kernels[:n]
@@ -113,6 +116,11 @@ def _group_size(attrs: str) -> int:
     if "replica_groups=mesh" in attrs:
         raise ValueError(f"unrecognised replica groups: {attrs[:200]}")
     return 1
+
+
+# Pallas splash attention's kernels by name, and the products each computes over the scores.
+_SPLASH = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
+_SPLASH_PRODUCTS = {"fwd": 2, "dq": 3, "dkv": 4}
 
 
 def _dot_flops(lhs_dims: tuple[int, ...], out_elems: int, contracting: list[int]) -> float:
@@ -166,6 +174,7 @@ def _conv_flops(instr: Instr, shapes: dict[str, str]) -> float:
 class _Model:
     def __init__(self, text: str, hw: Hardware):
         self.computations, self.entry = parse_hlo(text)
+        self.instrs = {i.name: i for instrs in self.computations.values() for i in instrs}  # names are unique in a module
         self.hw = hw
         self.names = op_names(self.computations)
         self.kernels: dict[str, list] = {}
@@ -225,10 +234,35 @@ class _Model:
                 return f, f / self.hw.default_flops
             dtype = next(arrays(shapes[instr.operands[rate_operand]]))[0]
             return f, f / self.hw.matmul_flops.get(dtype, self.hw.default_flops)
+        splash = _SPLASH.match(instr.name)
+        if splash and "tpu_custom_call" in target:
+            return self.splash_flops(instr, shapes, splash.group(1))
         # Other custom calls (Mosaic kernels on TPU carry their pl.CostEstimate to XLA): as declared.
         estimate = config.get("cost_estimate")
         f = float(estimate.get("flops", 0.0)) if isinstance(estimate, dict) else 0.0
         return f, f / self.hw.default_flops
+
+    def splash_flops(self, instr: Instr, shapes: dict[str, str], phase: str) -> tuple[float, float]:
+        """(FLOPs, seconds at peak) of a Pallas splash attention kernel (``jax.experimental.pallas.ops.tpu.
+        splash_attention``), which carries no cost estimate: its products (forward 2: ``q k^T``, ``p v``;
+        dq 3; dkv 4, the scores recomputed in each) of 2 x (q's rows) x (k's rows) x head_dim, times the
+        share of its block mask's blocks it computes (a causal mask about half), read from the mask's
+        constant where the kernel's operand leads to one; the whole grid where it does not."""
+        floats = [o for o in instr.operands if next(arrays(shapes[o]), ("",))[0] in ("bf16", "f16", "f32")]
+        q, k = dims(shapes[floats[0]]), dims(shapes[floats[1]])
+        masks = [o for o in instr.operands if next(arrays(shapes[o]), ("",))[0] in ("s8", "s16", "s32", "u8")]
+        share = self.constant_share(masks[1]) if len(masks) > 1 else 1.0  # (data_next, block_mask, ...): splash's order
+        flops = _SPLASH_PRODUCTS[phase] * 2.0 * math.prod(q[:-1]) * k[-2] * q[-1] * share
+        dtype = next(arrays(shapes[floats[0]]))[0]
+        return flops, flops / self.hw.matmul_flops.get(dtype, self.hw.default_flops)
+
+    def constant_share(self, name: str) -> float:
+        """The share of nonzero values of the constant ``name`` is (through copies and bitcasts), or 1."""
+        instr = self.instrs.get(name)
+        while instr is not None and instr.opcode in ("copy", "copy-start", "copy-done", "bitcast") and instr.operands:
+            instr = self.instrs.get(instr.operands[0])
+        values = [int(v) for v in re.findall(r"-?\d+", instr.args)] if instr is not None and instr.opcode == "constant" else []
+        return sum(v != 0 for v in values) / len(values) if values else 1.0
 
     def io_bytes(self, instr: Instr, shapes: dict[str, str]) -> float:
         """Bytes a kernel moves: its operands and outputs, less what a fusion never touches."""
@@ -377,4 +411,5 @@ def roofline(hlo_text: str, hardware: Hardware | str) -> Roofline:
         kernels=tuple(kernels),
         transfers=tuple(sorted((Kernel(*k) for k in model.transfers.values()), key=lambda k: -k.seconds)),
         seconds_loops_once=max(model.kernel_seconds_once, model.host_seconds_once),
+        uncosted_seconds=sum(k.seconds for k in kernels if _SPLASH.match(k.name)),
     )

@@ -5,6 +5,7 @@ CLI steps; kv heads must divide heads; the 8b preset's size; older runs' config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import chex
@@ -75,6 +76,35 @@ def test_grouped_query_heads_share_their_group_key_value_head():
         one = jax.jit(grouped_causal_attention)(q[:, :, h : h + 1], k[:, :, h // 2 : h // 2 + 1], v[:, :, h // 2 : h // 2 + 1])
         np.testing.assert_allclose(out[:, :, h], one[:, :, 0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(jax.jit(flash_attention)(q, k, v), out, rtol=1e-5, atol=1e-5)
+
+
+def test_splash_attention_computes_what_the_hand_written_one_does():
+    """Pallas splash attention (the TPU's ``--attention flash``), in Pallas's interpreter: grouped
+    heads (4 query, 2 key/value), two 128-token blocks under the causal mask; output and gradients
+    against the hand-written attention, f32."""
+    q = jax.random.normal(jax.random.key(4), (1, 256, 4, 128))
+    k, v = jax.random.normal(jax.random.key(5), (2, 1, 256, 2, 128))
+    reference = grouped_causal_attention(q, k, v)
+    chex.assert_trees_all_close(lm_attention.splash_attention(q, k, v, interpret=True), reference, rtol=1e-5, atol=1e-5)
+    grads = [jax.grad(lambda *a: (fn(*a) * reference).sum(), argnums=(0, 1, 2))(q, k, v)
+             for fn in (functools.partial(lm_attention.splash_attention, interpret=True), grouped_causal_attention)]  # fmt: skip
+    chex.assert_trees_all_close(*grads, rtol=1e-4, atol=1e-4)
+
+
+def test_flash_attention_lowers_to_splash_kernels_for_a_tpu_which_the_roofline_times():
+    """Compiled deviceless for TPU v5p: splash's three kernels, whose products the roofline counts
+    (XLA's cost model counts none: a Mosaic call without a cost estimate), the causal mask's share
+    read from the kernels' block mask (3 of 4 blocks of 512 at T 1024)."""
+    from bsr_jax.measure import roofline
+    from bsr_jax.measure.compiled import compile_for
+
+    q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    step = jax.grad(lambda q, k, v: flash_attention(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    kernels = {k.name.split(".")[0]: k.flops for k in roofline.roofline(compile_for(step, q, kv, kv, target="tpu-v5p").as_text(), "tpu-v5p").kernels}
+    product = 2 * 8 * 1024 * 1024 * 128 * 0.75  # one product over the scores the mask keeps
+    assert kernels["splash_mha_fwd_residuals"] == 2 * product
+    assert kernels["splash_mha_dq_no_residuals"] == 3 * product and kernels["splash_mha_dkv_no_residuals"] == 4 * product
 
 
 def test_8b_preset_is_llama3_8b_shaped():
