@@ -31,6 +31,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from bsr_jax.core.names import FLASH_RESIDUALS
 from bsr_jax.core.platforms import by_lowering_platform
 from bsr_jax.measure import compiled
 
@@ -88,7 +89,9 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool =
     sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
                                   block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)  # fmt: skip
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((seq_len, seq_len))] * heads)
-    kernel = kernel_lib.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+    # Its output and log-sum-exp named, so that a policy can keep them (bsr_jax.plan's remat-dots-attention).
+    kernel = kernel_lib.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret,
+                                        residual_checkpoint_name=FLASH_RESIDUALS)  # fmt: skip
     heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  (B, T, H, Dh) <-> (B, H, T, Dh)
     scaled = (q * (1.0 / math.sqrt(head_dim))).astype(q.dtype)  # splash scales nothing
     return heads_first(_per_batch_shard(jax.vmap(kernel))(heads_first(scaled), heads_first(k), heads_first(v)))

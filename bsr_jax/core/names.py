@@ -23,6 +23,9 @@ from jax.extend.core.primitives import name_p
 
 RESIDUAL_NAME = "bsr_blocks"  # a compressed weight-gradient residual (``bsr_jax.BlockSparse``'s arrays)
 LEAN_NAME = "bsr_jax_lean"  # a small value worth keeping (ReLU's packed mask, the loss's logsumexp)
+# A flash attention kernel's forward residuals (its output and log-sum-exp), named by the caller
+# (Pallas splash attention's ``residual_checkpoint_name``): the ``remat-dots-attention`` option keeps them.
+FLASH_RESIDUALS = "flash_attention_residuals"
 INPUT = "input"  # what a linear product or convolution multiplies its parameter with (its weight gradient reads it)
 OUTPUT = "output"  # the product's result (before a bias): what remat would otherwise recompute
 CHOICES = ("keep", "recompute", "offload")  # name_policy's per-name choices

@@ -9,9 +9,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+from jax.extend.core.primitives import name_p
 from jax.sharding import NamedSharding
 
-from bsr_jax.core.names import name_policy
+from bsr_jax.core.names import FLASH_RESIDUALS, name_policy
 from bsr_jax.storage.pruning import Pruning
 
 REST = "(rest)"  # the choices' key for everything outside the blocks
@@ -48,10 +49,11 @@ _MLP_OUTPUTS = ("*[Mm][Ll][Pp]*:output", "*[Ff][Ff][Nn]*:output", "*[Ff]eed[Ff]o
 _INT4 = Pruning(0.0, block=16, storage_dtype="int4")
 
 
-def _flash_attention_outputs(prim: Any, *_: Any, **__: Any) -> bool:
-    """Keeps cuDNN flash attention's forward (``jax.nn.dot_product_attention`` on a GPU): its output
-    and log-sum-exp, what its backward reads besides q, k and v, so it is not run again."""
-    return prim.name == "dot_product_attention_fwd_wrapper"
+def _flash_attention_outputs(prim: Any, *_: Any, **params: Any) -> bool:
+    """Keeps a flash attention's forward: its output and log-sum-exp, what its backward reads besides
+    q, k and v, so it is not run again. cuDNN's (``jax.nn.dot_product_attention`` on a GPU) by its
+    primitive; others (Pallas splash attention on TPU) where named ``FLASH_RESIDUALS``."""
+    return prim.name == "dot_product_attention_fwd_wrapper" or (prim is name_p and params.get("name") == FLASH_RESIDUALS)
 
 
 # The errors are relative Frobenius errors against plain autodiff, measured on small models.
