@@ -140,8 +140,8 @@ HELP = {
     "heads/kv-heads query heads); default: the preset's (8 for 8b; the others: --heads, multi-head attention)",
     "seq_len": "tokens per training window (T); default: the preset's",
     "attention": "'xla': hand-written softmax attention holding (B, heads, T, T) scores; 'flash': "
-    "jax.nn.dot_product_attention, cuDNN's flash attention when lowered for a GPU in bfloat16 (never holding the "
-    "scores), XLA's on CPU and TPU (Pallas splash attention is not wired yet)",
+    "flash attention by the platform lowered for, never holding the scores: cuDNN's (jax.nn.dot_product_attention) on a "
+    "GPU in bfloat16, Pallas splash attention on a TPU (T and head dimension multiples of 128); XLA's on CPU",
     "tie": "tie the head to the token embedding",
     "scan": "stack the layers with nn.scan (parameters stacked on a leading axis; one traced layer)",
     "remat": "recompute each layer in the backward pass (nn.remat; inside the scan with --scan)",
