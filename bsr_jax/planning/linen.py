@@ -21,10 +21,13 @@ from bsr_jax.rewrite.rules import Rule
 
 def _walk(jaxpr: Any, root: str, scale: int = 1, outer: str = "") -> Any:
     """``(equation, its jaxpr's trip count, its module path)`` for every equation, nested ones too.
-    An equation inside another's jaxpr without a path of its own (a ``custom_vjp``'s body, such as
-    ``jax.nn.dot_product_attention``'s, traces with a fresh name stack) takes the enclosing one's."""
+    An equation inside another's jaxpr whose path does not lie under the enclosing one's takes the
+    enclosing one's: a ``custom_vjp``'s body traces with a fresh name stack (``jax.nn.dot_product_attention``'s
+    empty, Pallas splash attention's its kernel's ``jax.named_scope``, which reads as a module)."""
     for eqn in jaxpr.eqns:
-        path = module_path(eqn.source_info.name_stack, frozenset({root})) or outer
+        path = module_path(eqn.source_info.name_stack, frozenset({root}))
+        if outer and not (path == outer or path.startswith(outer + "/")):
+            path = outer
         yield eqn, scale, path
         inner = scale * eqn.params["length"] if eqn.primitive is jax.lax.scan_p else scale
         for sub in jax_core.jaxprs_in_params(eqn.params):

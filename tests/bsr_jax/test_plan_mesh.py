@@ -60,13 +60,24 @@ def test_adamw_moments_are_sharded_as_their_parameters_and_bytes_counted_per_dev
     assert placement.bytes_per_device(state) == 2 * (64 * 8 * 4 + 32 * 4) + 4
 
 
+@jax.custom_vjp
+def _kernel(x):
+    """A custom_vjp whose body runs in a jax.named_scope of its own, as Pallas splash attention's
+    kernels do: the scope reads as a module path where its caller's is not in the name stack."""
+    with jax.named_scope("splash_mha_fwd_no_residuals"):
+        return x * 2
+
+
+_kernel.defvjp(lambda x: (_kernel(x), None), lambda _, g: (2 * g,))
+
+
 class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _=None):
         h = nn.Dense(64)(nn.LayerNorm()(x))
         h = h.reshape(*h.shape[:2], 4, 16)  # (B, T, heads, head_dim)
         # jax.nn's attention differentiates by a custom_vjp, whose body traces with a fresh name stack
-        o = jax.nn.dot_product_attention(h, h, h, is_causal=True)
+        o = _kernel(jax.nn.dot_product_attention(h, h, h, is_causal=True))
         return x + nn.Dense(64)(o.reshape(x.shape)), None
 
 
@@ -77,7 +88,7 @@ class Scanned(nn.Module):
         return nn.Dense(10)(x.mean(1))
 
 
-def test_a_scanned_block_with_attentions_custom_gradient_is_one_block():
+def test_a_scanned_block_with_custom_gradients_inside_is_one_block():
     x = jnp.zeros((2, 8, 16))
     v = jax.eval_shape(lambda: Scanned().init(jax.random.key(0), x))
     traced = jax.make_jaxpr(lambda v: Scanned().apply(v, x).sum())(v)
