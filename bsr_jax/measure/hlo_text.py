@@ -71,7 +71,7 @@ def _logical_lines(text: str) -> Iterator[str]:
     for line in text.splitlines():
         if pending:
             pending += line
-        elif line.startswith(" ") and line.count("{") > line.count("}"):
+        elif line.startswith(" ") and line.endswith("{"):  # an attribute opened at the line's end
             pending = line
         else:
             yield line
@@ -158,3 +158,25 @@ def op_names(computations: dict[str, list[Instr]]) -> dict[str, str]:
 
 
 _MOVES = {"copy", "copy-start", "copy-done", "bitcast", "get-tuple-element"}
+
+
+def group_size(attrs: str) -> int:
+    """Devices per replica group of a collective: ``replica_groups={{0,1,2,3}}``, the iota form
+    ``replica_groups=[2,4]<=[8]`` (2 groups of 4), or the mesh form XLA writes for jit's SPMD
+    programs, ``replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}`` (the product of the
+    named axes' sizes); a collective-permute's pairs count as 2."""
+    if "source_target_pairs=" in attrs:
+        return 2
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if listed:
+        return len([d for d in listed.group(1).split(",") if d])
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
+    if iota:
+        return int(iota.group(2))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes[name] for name in re.findall(r"'([^']+)'", mesh.group(2)))
+    if "replica_groups=mesh" in attrs:
+        raise ValueError(f"unrecognised replica groups: {attrs[:200]}")
+    return 1

@@ -42,6 +42,7 @@ from bsr_jax.measure.hlo_text import (
     attr,
     backend_config,
     dims,
+    group_size,
     op_names,
     parse_hlo,
     type_bytes,
@@ -94,28 +95,6 @@ class Roofline:
 
     def top(self, n: int = 10) -> tuple[Kernel, ...]:
         return self.kernels[:n]
-
-
-def _group_size(attrs: str) -> int:
-    """Devices per replica group of a collective: ``replica_groups={{0,1,2,3}}``, the iota form
-    ``replica_groups=[2,4]<=[8]`` (2 groups of 4), or the mesh form XLA writes for jit's SPMD
-    programs, ``replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}`` (the product of the
-    named axes' sizes); a collective-permute's pairs count as 2."""
-    if "source_target_pairs=" in attrs:
-        return 2
-    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-    if listed:
-        return len([d for d in listed.group(1).split(",") if d])
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
-    if iota:
-        return int(iota.group(2))
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
-    if mesh:
-        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
-        return math.prod(sizes[name] for name in re.findall(r"'([^']+)'", mesh.group(2)))
-    if "replica_groups=mesh" in attrs:
-        raise ValueError(f"unrecognised replica groups: {attrs[:200]}")
-    return 1
 
 
 # Pallas splash attention's kernels by name, and the products each computes over the scores.
@@ -353,7 +332,7 @@ class _Model:
         kind = instr.opcode.removesuffix("-start")
         if kind not in _COLLECTIVES or not self.hw.link_bytes_per_s:
             return 0.0
-        n = _group_size(instr.attrs)
+        n = group_size(instr.attrs)
         if n <= 1:
             return 0.0
         # The whole arrays: the operands (an all-gather's are its shards, n of them each), summed:
