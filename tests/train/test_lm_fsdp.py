@@ -120,6 +120,9 @@ def test_an_fsdp_step_compiles_for_eight_devices_and_holds_a_shard_of_the_state(
         assert replicated.peak - program.peak >= 0.5 * state_bytes * 7 / 8
 
 
+# 16 s of compiles: test_planner holds its parts by default (the model's own remat composed with the
+# plan's; value_and_grad traced into every candidate), test_plan_mesh the per-device plan.
+@pytest.mark.slow
 def test_the_plan_of_the_loops_own_fsdp_step_over_eight_devices_is_per_device_and_its_remat_keeps_less():
     """``bsr_jax.plan`` of train.lm's own step (its shard_map gradient given as ``value_and_grad``) on
     8 deviceless H100s: per-device peaks, and the plan's remat per layer keeps less than keeping
