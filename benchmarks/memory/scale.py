@@ -46,6 +46,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import bsr_jax  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from train import lm_deviceless  # noqa: E402
+from bsr_jax.planning.candidates import over_device_memory  # noqa: E402
 from train.lm_config import LMConfig  # noqa: E402
 
 GIB = 2**30
@@ -136,8 +137,12 @@ def table(rows: list[dict]) -> str:
              "|---|---|---:|---|---:|---:|---:|---|"]  # fmt: skip
     settings = [r for r in rows if "chosen" not in r]
     for r in settings:
-        fits = [o["roofline_ms"] for o in settings if (o["model"], o["target"], o["batch_per_device"]) == (r["model"], r["target"], r["batch_per_device"])
-                and o["peak_gib"] <= HBM_GIB[o["target"]]]  # fmt: skip
+        if r.get("refused"):
+            lines.append(f"| {r['model']} | {r['target']} | {r['batch_per_device']} | {r['setting']} | refused by XLA: needs at least "
+                         f"{r['peak_gib']:.1f} | | over the device | |")  # fmt: skip
+            continue
+        fits = [o["roofline_ms"] for o in settings if not o.get("refused") and o["peak_gib"] <= HBM_GIB[o["target"]]
+                and (o["model"], o["target"], o["batch_per_device"]) == (r["model"], r["target"], r["batch_per_device"])]  # fmt: skip
         ratio = f"{r['roofline_ms'] / min(fits):.2f}x" if fits else "nothing fits"
         lines.append(f"| {r['model']} | {r['target']} | {r['batch_per_device']} | {r['setting']} | {r['peak_gib']:.1f} | {r['roofline_ms']:.0f} | "
                      f"{ratio} | {r['attention']} |")  # fmt: skip
@@ -190,9 +195,17 @@ def main(argv=None) -> None:
                     if (model, target, setting, args.batch, args.seq_len) in done:
                         continue
                     print(f"[scale] {model} {target} {setting} batch {args.batch}/device T {args.seq_len} ...", file=sys.stderr, flush=True)
-                    rows.append(measure(model, target, setting, args.batch, args.seq_len) | {"run": run_metadata()})
-                    print(f"[scale]   {rows[-1]['peak_gib']:.1f} GiB, {rows[-1]['roofline_ms']:.0f} ms, compiled in {rows[-1]['compile_s']:.0f} s",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                    try:
+                        row = measure(model, target, setting, args.batch, args.seq_len)
+                    except Exception as error:  # XLA raises its own runtime error type
+                        needs = over_device_memory(error)
+                        if needs is None:
+                            raise
+                        row = dict(model=model, target=target, setting=setting, batch_per_device=args.batch, seq_len=args.seq_len,
+                                   peak_gib=needs / GIB, roofline_ms=None, refused=True)  # fmt: skip
+                    rows.append(row | {"run": run_metadata()})
+                    print(f"[scale]   {row['peak_gib']:.1f} GiB, " + (f"{row['roofline_ms']:.0f} ms, compiled in {row['compile_s']:.0f} s"
+                          if not row.get("refused") else "refused by XLA: more than the device holds"), file=sys.stderr, flush=True)  # fmt: skip
                     with open(args.out, "w") as f:
                         json.dump(rows, f, indent=1)
                 cache: dict = {}  # the budgets' searches share their compiles
