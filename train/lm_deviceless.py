@@ -15,19 +15,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType
 
 from bsr_jax.measure import compiled
 from train import lm_loop, sharding
 from train.lm_config import LMConfig
 
 
+def _check_batch(config: LMConfig, devices: int) -> None:
+    if config.batch_size % devices:
+        raise ValueError(f"batch_size must be a multiple of the {devices} devices, got {config.batch_size}")
+
+
 def sharded_step(config: LMConfig, target: str, devices: int) -> tuple[Any, Any, Any]:
     """``(step, state, batch)``: the jitted step and shape structs of its state and batch, placed
     as the loop places them on ``devices`` devices of ``target`` (``config.batch_size`` over all of
     them; the vocabulary is the config's ``vocab_size``)."""
-    if config.batch_size % devices:
-        raise ValueError(f"batch_size must be a multiple of the {devices} devices, got {config.batch_size}")
+    _check_batch(config, devices)
     mesh = compiled.target_mesh(target, devices)
     shape = lm_loop.model_shape(config, config.vocab_size)
     schedule = lm_loop.learning_rate_schedule(config)
@@ -50,25 +54,17 @@ def plan_inputs(config: LMConfig, devices: int) -> tuple[Any, Any, Any, Any, opt
     parameters as ``--fsdp`` splits them (``sharding.fsdp_spec``; stacked layers not along the layer
     axis). The plan's step is ``jax.jit`` over these sharded arrays, which XLA's SPMD partitioner
     splits; with ``value_and_grad=fsdp_value_and_grad(config)`` it is the loop's own step instead."""
-    if config.batch_size % devices:
-        raise ValueError(f"batch_size must be a multiple of the {devices} devices, got {config.batch_size}")
+    _check_batch(config, devices)
     mesh = AbstractMesh((devices,), (sharding.DATA_AXIS,), axis_types=(AxisType.Auto,))
     shape = lm_loop.model_shape(config, config.vocab_size)
     model = lm_loop.create_model(config, shape, compressed=False)
-    layers = lm_loop.stacked_layers(config)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), jnp.zeros((1, shape.seq_len), jnp.int32)))
+    placed = sharding.state_shardings(abstract, mesh, config.fsdp, lm_loop.stacked_layers(config))
+    variables = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, placed)
+    tokens = jax.ShapeDtypeStruct((config.batch_size, shape.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))
 
-    def placed(path, a):
-        stacked = any(getattr(k, "key", None) == layers for k in path)
-        spec = sharding.fsdp_spec(a.shape, devices, stacked) if config.fsdp else PartitionSpec()
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
-
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(config.seed), jnp.zeros((1, shape.seq_len), jnp.int32)))
-    variables = jax.tree_util.tree_map_with_path(placed, variables)
-    tokens = jax.ShapeDtypeStruct((config.batch_size, shape.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(sharding.DATA_AXIS)))
-
-    def loss_fn(module, variables, tokens):
-        logits = module.apply(variables, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    def loss_fn(module, variables, tokens):  # the loop's loss, of the module plan gives it
+        return lm_loop.loss_function(module, config)(variables["params"], {"tokens": tokens})[0]
 
     return model, loss_fn, tokens, variables, lm_loop.create_optimizer(config, lm_loop.learning_rate_schedule(config))
 

@@ -70,9 +70,14 @@ ATTENTION = {"h100": "cuDNN flash", "tpu-v5p": "Pallas splash"}  # --attention f
 HBM_GIB = {"h100": 80.0, "tpu-v5p": 95.0}  # memory per device: an H100 SXM's 80 GiB, a TPU v5p chip's 95 GiB
 
 
+def lm_config(model: str, batch: int, seq_len: int, **overrides) -> LMConfig:
+    """Every row's train.lm config: ``--scan``, bf16, ``--attention flash``, ``batch`` sequences per device."""
+    return LMConfig(model=model, seq_len=seq_len, batch_size=batch * DEVICES, dtype="bfloat16", scan=True, attention="flash",
+                    vocab_size={"1b": 32768, "8b": 128256}[model], **overrides)  # fmt: skip
+
+
 def measure(model: str, target: str, setting: str, batch: int, seq_len: int) -> dict:
-    config = LMConfig(model=model, seq_len=seq_len, batch_size=batch * DEVICES, dtype="bfloat16", scan=True, attention="flash",
-                      vocab_size={"1b": 32768, "8b": 128256}[model], **SETTINGS[setting])  # fmt: skip
+    config = lm_config(model, batch, seq_len, **SETTINGS[setting])
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -95,8 +100,7 @@ PLAN_STEPS = {"shard_map": "plan", "jit": "plan-jit"}  # --plan-step -> the rows
 
 def plan_row(model: str, target: str, fraction: float, batch: int, seq_len: int, cache: dict, step: str = "shard_map") -> dict:
     """``bsr_jax.plan`` of the model's FSDP step (``step``: ``PLAN_STEPS``) within ``fraction`` of the device's memory."""
-    config = LMConfig(model=model, seq_len=seq_len, batch_size=batch * DEVICES, dtype="bfloat16", scan=True, attention="flash", fsdp=True,
-                      vocab_size={"1b": 32768, "8b": 128256}[model])  # fmt: skip
+    config = lm_config(model, batch, seq_len, fsdp=True)
     lm, loss_fn, tokens, variables, tx = lm_deviceless.plan_inputs(config, DEVICES)
     started, cached = time.perf_counter(), len(cache)
     plan = bsr_jax.plan(lm, loss_fn, tokens, variables=variables, optimizer=tx, budget=f"{fraction * HBM_GIB[target]}GiB", target=target,
@@ -109,8 +113,8 @@ def plan_row(model: str, target: str, fraction: float, batch: int, seq_len: int,
 
 
 def plans(rows: list[dict]) -> str:
-    """The plan rows beside the search's own dense and remat per layer (the same jitted program)
-    (the same step) and the fastest ``shard_map`` setting above that fits the device. Times are the planner's
+    """The plan rows beside the search's own dense and remat per layer (the same step) and the
+    fastest ``shard_map`` setting above that fits the device. Times are the planner's
     (``CompiledStep.modelled_seconds``: the roofline on H100; on TPU v5p XLA's model where it times
     the step, else the roofline scaled as it timed the first), the settings' the roofline's."""
     lines = ["| model | target | batch/device | step planned | budget | chosen | peak GiB | modelled ms (planner's) | its dense | its remat per layer | vs its remat | "

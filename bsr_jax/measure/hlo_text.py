@@ -152,12 +152,12 @@ def op_names(computations: dict[str, list[Instr]]) -> dict[str, str]:
                         names[i.name] = named[-1]
                         break
             # A copy XLA inserted (host offload's copy-start/-done) moves what its operand's op made.
-            if i.name not in names and i.opcode in _MOVES and i.operands and i.operands[0] in names:
+            if i.name not in names and i.opcode in MOVES and i.operands and i.operands[0] in names:
                 names[i.name] = names[i.operands[0]]
     return names
 
 
-_MOVES = {"copy", "copy-start", "copy-done", "bitcast", "get-tuple-element"}
+MOVES = {"copy", "copy-start", "copy-done", "bitcast", "get-tuple-element"}  # instructions that pass their operand on
 
 
 def group_size(attrs: str) -> int:

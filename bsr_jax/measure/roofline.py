@@ -37,6 +37,7 @@ import pallas_kernels
 from bsr_jax.measure.hardware import H100, HARDWARE, TPU_V5P, Hardware  # noqa: F401  (roofline.H100 is read by callers)
 from bsr_jax.measure.hlo_text import (
     HOST_SPACE,
+    MOVES,
     Instr,
     arrays,
     attr,
@@ -238,7 +239,7 @@ class _Model:
     def constant_share(self, name: str) -> float:
         """The share of nonzero values of the constant ``name`` is (through copies and bitcasts), or 1."""
         instr = self.instrs.get(name)
-        while instr is not None and instr.opcode in ("copy", "copy-start", "copy-done", "bitcast") and instr.operands:
+        while instr is not None and instr.opcode in MOVES and instr.operands:
             instr = self.instrs.get(instr.operands[0])
         values = [int(v) for v in re.findall(r"-?\d+", instr.args)] if instr is not None and instr.opcode == "constant" else []
         return sum(v != 0 for v in values) / len(values) if values else 1.0

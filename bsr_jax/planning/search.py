@@ -248,12 +248,12 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     model = CostModel(blocks) if dense.compiled else None
     if model:
         model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks, dense.seconds))
-    key = _modelled_search(search, model, names, variants, remat, limit, verify, infeasible)
+    key = _modelled_search(search, model, names, variants, limit, verify, infeasible)
     return _plan(family, search, loss_fns, key, limit, target, dense, remat)
 
 
-def _modelled_search(search: Candidates, model: CostModel | None, names: Sequence[str], variants: Sequence[tuple[str, str]], remat: Measured,
-                     limit: float, verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
+def _modelled_search(search: Candidates, model: CostModel | None, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,
+                     verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
     """The fastest compiled candidate within ``limit``, searched with the cost model
     (``bsr_jax.planning.cost``): remat on every block and the probes measure every option and
     variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled, and
@@ -269,7 +269,7 @@ def _modelled_search(search: Candidates, model: CostModel | None, names: Sequenc
         return _fastest_fitting(search, names, variants, limit, infeasible)
     for key, m in zip(keys, measured):
         model.observe(key, m.peak, m.seconds, shares(search.compiled(m), blocks, m.seconds))
-    n = len(blocks)
+    n, remat = len(blocks), measured[0]
     # What the rest's and the loss's choices add is the part the model sees whole (REST): exact enough
     # to say, with remat on every block compiled, whether anything can fit.
     if remat.peak + min(model.predict((("remat",) * n, *v))[0] - model.predict((("remat",) * n, "keep", "plain"))[0] for v in variants) > limit:

@@ -216,7 +216,7 @@ def _lean_scan(eqn: Any, values: list[Any], treatment: Treatment, computed: list
 def _remat_inside(eqn: Any, treatment: Treatment | None) -> Remat | None:
     """The ``Remat`` mode of a module whose computation a model's own checkpoint (``eqn``, an
     ``nn.remat`` around a scanned layer, traced without a module path of its own) holds, if any."""
-    if treatment is None or eqn.primitive.name != "remat2":
+    if treatment is None:
         return None
     modes = (treatment.mode(module_path(e.source_info.name_stack))[1] for e in eqn.params["jaxpr"].eqns)
     return next((m for m in modes if isinstance(m, Remat)), None)
@@ -243,8 +243,8 @@ def _run_segment(segment: list[Any], ins: list[Any], outs: list[Any], treatment:
                     out = _lean_scan(eqn, invals, treatment, computed)
                 else:
                     params = eqn.params
-                    remat = within or _remat_inside(eqn, treatment)
-                    if remat is not None and eqn.primitive.name == "remat2":
+                    remat = (within or _remat_inside(eqn, treatment)) if eqn.primitive.name == "remat2" else None
+                    if remat is not None:
                         params = {**params, "policy": both(remat.policy, params["policy"])}
                     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
             env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
