@@ -1,21 +1,25 @@
 """The planner's table: ``bsr_jax.plan`` on ResMLP-S12, ViT-B/16, the 12x768 LM and ResNet-50, for
-H100 and TPU v5p, at budgets of 0.3, 0.5 and 0.7 of the dense step's compiled peak.
+H100 and TPU v5p, at budgets of 0.2, 0.3, 0.5 and 0.7 of the dense step's compiled peak.
 
 Per plan: its compiled peak and modelled time as ratios to the dense step's on the same target,
-what it chose, and two baselines that fit the same budget: the fastest of JAX's own ``nn.remat``
-per block (default, ``dots_with_no_batch_dims_saveable``, ``dots_saveable``, offload; the rows of
-benchmarks/results/compiled_memory.json, the model as its authors would wrap it) and the fastest
-of the planner's own uniform remat candidates (the same policies through ``compress_model(remat=)``).
-Compiles are shared between the three budgets of a model and target; rows are written as they
-come, and rows already in the JSON are skipped, so an interrupted run resumes.
+what it chose, and the fastest baseline that fits the same budget, compiled on the planner's
+instrument (``plan``'s ``Candidates``) after the search: JAX's remat policies on every block
+(default, ``dots_with_no_batch_dims_saveable``, ``dots_saveable``, offload, through
+``compress_model(remat=)``: the same peaks and times as ``nn.remat`` per block, docs/RESULTS.md
+12), MaxText's named policies on every block (``remat-minimal``, ``remat-save-qkv``,
+``remat-save-dots-except-mlp``, ``remat-offload-qkv``), and micro-batching (k = 2, 4, 8 slices of
+the batch, one update: the dense step and remat on every block; ResNet-50's BatchNorm then sees
+each slice's statistics). Every baseline's peak and time is in the JSON. Compiles are shared
+between the budgets of a model and target; rows are written as they come, and rows already in the
+JSON are skipped, so an interrupted run resumes.
 
     python -m benchmarks.plans.plan_table --models resmlp-s12 --targets h100
     python -m benchmarks.plans.plan_table --table-only
 
 "compiles": candidates compiled for that model and target so far (budgets share them); "search":
 the wall time of that budget's plan (the first budget of a model and target compiles the dense
-step, remat on every block and the cost model's probes, which the others reuse). The uniform
-remat baselines are compiled after each search, outside its time.
+step, remat on every block and the cost model's probes, which the others reuse); "plan /
+baseline": the plan's modelled time over the fastest fitting baseline's.
 
 Writes docs/RESULTS.md section 12.
 """
@@ -37,8 +41,11 @@ from benchmarks.memory import compiled_memory as cm
 from benchmarks.run_info import footer, run_metadata
 from bsr_jax.planning import search as planner
 
-BUDGETS = (0.3, 0.5, 0.7)
+BUDGETS = (0.2, 0.3, 0.5, 0.7)
 REMAT_SETTINGS = ("remat", "remat-dots", "remat-dots-all", "remat-offload")
+# MaxText's named policies on the tensor names compress_model gives (docs/planner.md).
+NAMED_SETTINGS = ("remat-minimal", "remat-save-qkv", "remat-save-dots-except-mlp", "remat-offload-qkv")
+MICROBATCHES = (2, 4, 8)
 
 
 def _loss_fn(module, variables, x, y):
@@ -54,25 +61,31 @@ def _batch(shape):
     return x, cm.jax.ShapeDtypeStruct(shape if tokens else shape[:1], jnp.int32)
 
 
-def _jax_remat(rows, name, target, limit_ratio):
-    """The fastest nn.remat-per-block row of compiled_memory.json within the budget: (setting, peak ratio, time ratio)."""
-    by = {r["setting"]: r for r in rows if r["model"] == name and r["target"] == target and "modelled_seconds" in r}
-    if "dense" not in by:
-        return None
-    dense = by["dense"]
-    fits = [(by[s]["modelled_seconds"] / dense["modelled_seconds"], by[s]["peak_mib"] / dense["peak_mib"], s)
-            for s in REMAT_SETTINGS if s in by and by[s]["peak_mib"] <= limit_ratio * dense["peak_mib"]]  # fmt: skip
-    return min(fits) if fits else ("none fits", None, None)
+def baselines(name, target, model, loss_fn, x, y, cache):
+    """Every baseline step of the model, budget-free: label -> Measured (``Candidates.measure``, the
+    planner's instrument): JAX's remat policies and MaxText's named ones on every block, and the
+    dense step and remat on every block at each micro-batch count of ``MICROBATCHES`` dividing the
+    batch (``bsr_jax.accumulated_value_and_grad``). ``cache`` is shared between budgets."""
+    found = {}
+    for k in (1, *MICROBATCHES):
+        if x.shape[0] % k:
+            continue
+        steps = planner.Candidates(planner.Linen(model, loss_fn, (x, y), None, None), {"plain": loss_fn}, (x, y), optax.adamw(1e-3),
+                                   target, False, cache, microbatches=k)  # fmt: skip
+        n = len(steps.family.blocks)
+        for setting in (REMAT_SETTINGS + NAMED_SETTINGS if k == 1 else ("keep", "remat")):
+            found[setting if k == 1 else f"{'dense' if setting == 'keep' else setting} k={k}"] = steps.measure([setting] * n, "keep")
+    return found
 
 
-def measure(name, target, budgets, options, cache, remat_rows, loss_chunk=0, plain=None):
+def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None):
     """Yields one row per budget, as each plan is made. With ``loss_chunk`` the loss runs through
     ``bsr_jax.chunked_head_loss`` and budgets and ratios refer to ``plain``, the plain loss's dense
     step (``{"peak_mib", "ms"}``), so that both rows answer the same budget in bytes."""
     model, shape, _, context = cm.MODELS[name]("dense")
     x, y = _batch(shape)
     loss_fn = bsr_jax.chunked_head_loss(_loss_fn, chunk=loss_chunk) if loss_chunk else _loss_fn
-    baselines = {}
+    baseline_cache = {}
     with context:
         for budget in budgets:
             start = time.time()
@@ -80,45 +93,46 @@ def measure(name, target, budgets, options, cache, remat_rows, loss_chunk=0, pla
                 p = planner.plan(model, loss_fn, x, y, optimizer=optax.adamw(1e-3), target=target, options=options, cache=cache,
                                  budget=int(budget * plain["peak_mib"] * 2**20) if plain else budget)  # fmt: skip
             except ValueError as e:
-                yield dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, error=str(e))
+                yield dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, error=str(e), seconds=time.time() - start)
                 continue
             seconds = time.time() - start
             dense_mib, dense_ms = (plain["peak_mib"], plain["ms"]) if plain else (p.dense.peak / 2**20, p.dense.seconds * 1e3)
-            # The baseline: each remat policy on every block (compiled after the search, not timed
-            # with it; the planner compiles only remat itself, unless it predicts another fastest).
-            # A cache of their own: the next budget's search must not find them compiled.
-            uniform = planner.Candidates(planner.Linen(model, loss_fn, (x, y), None, None), {"plain": loss_fn}, (x, y), optax.adamw(1e-3),
-                                      target, False, baselines)  # fmt: skip
-            n = len(uniform.family.blocks)
-            uniform_remat = [m for m in (uniform.measure([s] * n, "keep") for s in REMAT_SETTINGS) if m.peak <= p.budget]
-            best_uniform = min(uniform_remat, key=lambda m: m.seconds, default=None)
-            jax_remat = _jax_remat(remat_rows, name, target, budget)
+            # The baselines are compiled after the search, not timed with it, in a cache of their
+            # own: the next budget's search must not find them compiled.
+            others = baselines(name, target, model, loss_fn, x, y, baseline_cache)
+            fitting = {label: m for label, m in others.items() if m.compiled and m.peak <= p.budget}
+            best = min(fitting, key=lambda label: fitting[label].seconds, default=None)
             print(p, file=sys.stderr)
             yield dict(
                 model=name, target=target, budget=budget, loss_chunk=loss_chunk, peak_ratio=p.peak / 2**20 / dense_mib,
                 time_ratio=p.modelled_seconds * 1e3 / dense_ms, peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3,
                 dense_mib=dense_mib, dense_ms=dense_ms, chosen=p.label,
                 compiles=len(p.tried), seconds=seconds, options=list(options),
-                uniform_remat=None if best_uniform is None else dict(
-                    label=best_uniform.label,
-                    peak_ratio=best_uniform.peak / 2**20 / dense_mib, time_ratio=best_uniform.seconds * 1e3 / dense_ms),
-                jax_remat=None if jax_remat is None else dict(setting=jax_remat[2] or jax_remat[0], time_ratio=jax_remat[0] if jax_remat[1] else None,
-                                                              peak_ratio=jax_remat[1]),
+                baselines={label: dict(peak_ratio=m.peak / 2**20 / dense_mib, time_ratio=m.seconds * 1e3 / dense_ms if m.compiled else None)
+                           for label, m in others.items()},
+                best_baseline=best and dict(label=best, peak_ratio=fitting[best].peak / 2**20 / dense_mib,
+                                            time_ratio=fitting[best].seconds * 1e3 / dense_ms),
             )  # fmt: skip
 
 
 def table(rows):
-    lines = ["| model | target | budget | plan peak | plan time | chosen | nn.remat best within budget (peak / time) | uniform remat via compress_model (peak / time) | compiles | search |",
+    lines = ["| model | target | budget | plan peak | plan time | chosen | best baseline within budget (peak / time) | plan / baseline | compiles | search |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["model"], r["target"], r.get("loss_chunk", 0), r["budget"])):
         model = r["model"] + (f" + chunked loss ({r['loss_chunk']})" if r.get("loss_chunk") else "")
         if "error" in r:
             lines.append(f"| {model} | {r['target']} | {r['budget']} | - | - | {r['error'].split(', with ')[0]} | | | | |")
             continue
-        j, u = r["jax_remat"], r["uniform_remat"]
-        jt = "-" if j is None else (j["setting"] if j["time_ratio"] is None else f"{j['setting']}: {j['peak_ratio']:.2f} / {j['time_ratio']:.2f}")
-        ut = "none fits" if u is None else f"{u['label'].split(',')[0]}: {u['peak_ratio']:.2f} / {u['time_ratio']:.2f}"
-        lines.append(f"| {model} | {r['target']} | {r['budget']} | {r['peak_ratio']:.2f} | {r['time_ratio']:.2f} | {r['chosen']} | {jt} | {ut} | {r['compiles']} | {r['seconds'] / 60:.0f} min |")
+        b = r.get("best_baseline", "old")
+        if b == "old":  # rows before the baselines of every kind: the fastest uniform remat
+            u = r["uniform_remat"]
+            bt, vs = ("none fits", "-") if u is None else (f"{u['label'].split(',')[0]}: {u['peak_ratio']:.2f} / {u['time_ratio']:.2f}",
+                                                        f"{r['time_ratio'] / u['time_ratio']:.3f}")
+        else:
+            bt, vs = ("none fits", "-") if b is None else (f"{b['label']}: {b['peak_ratio']:.2f} / {b['time_ratio']:.2f}",
+                                                        f"{r['time_ratio'] / b['time_ratio']:.3f}")
+        lines.append(f"| {model} | {r['target']} | {r['budget']} | {r['peak_ratio']:.2f} | {r['time_ratio']:.2f} | {r['chosen']} | {bt} | {vs} "
+                     f"| {r['compiles']} | {r['seconds']:.0f} s |")
     return "\n".join(lines)
 
 
@@ -137,8 +151,6 @@ def main(argv=None):
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"rows": []}
     if not args.table_only:
         meta = run_metadata()
-        remat_path = "benchmarks/results/compiled_memory.json"
-        remat_rows = json.load(open(remat_path))["runs"] if os.path.exists(remat_path) else []
         for name in args.models:
             for target in args.targets:
                 mine = [r for r in saved["rows"] if r["model"] == name and r["target"] == target]
@@ -149,7 +161,7 @@ def main(argv=None):
                 if args.loss_chunk and plain is None:
                     sys.exit(f"--loss-chunk: no plain row of {name} on {target} in {args.out} to take the dense step from; run without it first")
                 print(f"{name} {target} budgets {todo} ...", file=sys.stderr, flush=True)
-                for row in measure(name, target, todo, tuple(args.options), {}, remat_rows, args.loss_chunk, plain if args.loss_chunk else None):
+                for row in measure(name, target, todo, tuple(args.options), {}, args.loss_chunk, plain if args.loss_chunk else None):
                     row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
                     saved["rows"].append(row)
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

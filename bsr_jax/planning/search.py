@@ -175,7 +175,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         blocks stacked for ``nnx.scan``), a ``loss_fn`` that never applies the module it is given,
         or no candidate within budget (the message names the smallest compiled peak and its
         choices; where remat on every block, the least any option keeps, does not fit, or the
-        step's arguments alone exceed the budget, nothing more is compiled).
+        step's arguments alone exceed the budget, the search stops there).
       TypeError: a ``loss_fn`` whose signature cannot take the call above, or (linen) a default
         ``model.init`` that fails (pass ``variables=``).
     """
@@ -220,6 +220,27 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         # Remat on every block always changes the step's program: unless the loss ignores its module.
         raise ValueError(f"plan: loss_fn never applies the module it is given (remat on every block lowered to the dense step's "
                          f"program): apply its first argument, e.g. {family.loss_example}")  # fmt: skip
+    names = list(dict.fromkeys(["keep", *options]))
+    variants = [(rest, loss) for rest in dict.fromkeys(["keep", *rest_options]) for loss in loss_fns]
+    try:
+        return _search(family, search, loss_fns, names, variants, kind, amount, target, verify)
+    finally:
+        search.close()
+
+
+def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[..., jax.Array]], names: Sequence[str],
+            variants: Sequence[tuple[str, str]], kind: str, amount: float, target: str, verify: int) -> Plan:  # fmt: skip
+    """``plan``'s search once its arguments are checked (its docstring and the module's say how)."""
+    blocks = family.blocks
+    n = len(blocks)
+    # Remat on every block and the probes are what the cost model needs where the dense step does
+    # not fit: lowered while it compiles (lowering is Python, compiling is XLA's threads), compiled
+    # only once it does not fit.
+    measuring = [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
+    search.prefetch([(("keep",) * n, "keep", "plain")], breakdown=True)
+    for choices, rest, loss in measuring:
+        if (search.scope, choices, rest, loss) not in search.shared:
+            search.program(choices, rest, loss)
     dense = search.measure(["keep"] * n, "keep", breakdown=True)  # the cost model's reference where it does not fit
     if not dense.compiled and kind == "fraction":
         raise ValueError(f"plan: the dense step does not compile on {target} (XLA needs at least {dense.peak / 2**20:,.0f} MiB, more than "
@@ -236,33 +257,32 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         return _plan(family, search, loss_fns, (("keep",) * n, "keep", "plain"), limit, target, dense, None)
     if search.argument_bytes > limit:
         raise infeasible(dense, f"; the step's arguments alone (parameters, optimizer state, batch) take {search.argument_bytes / 2**20:,.0f} MiB")
-    names = list(dict.fromkeys(["keep", *options]))
-    variants = [(rest, loss) for rest in dict.fromkeys(["keep", *rest_options]) for loss in loss_fns]
+    # Where remat on every block may end the search (below), the probes wait for it.
+    search.prefetch(measuring[:1] if len(variants) == 1 else measuring, breakdown=True)
     # Remat on every block keeps only the blocks' inputs, the least of any option (no option
     # had a smaller peak on any model or target of docs/RESULTS.md 10.1): where it does not fit
     # with the rest kept, only the rest's or the loss's other choices can make a step fit.
     remat = search.measure(["remat"] * n, "keep", breakdown=True)
     if remat.peak > limit and len(variants) == 1:
-        raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so nothing more was compiled")
+        raise infeasible(search.smallest(), ": remat on every block keeps the least of any option, so the search stopped there")
+    search.prefetch(measuring[1:], breakdown=True)
     dense, remat = search.current(dense), search.current(remat)  # rescaled where XLA's model timed only a later step
     model = CostModel(blocks) if dense.compiled else None
     if model:
         model.observe((("keep",) * n, "keep", "plain"), dense.peak, dense.seconds, shares(search.compiled(dense), blocks, dense.seconds))
-    key = _modelled_search(search, model, names, variants, limit, verify, infeasible)
+    key = _modelled_search(search, model, measuring, names, variants, limit, verify, infeasible)
     return _plan(family, search, loss_fns, key, limit, target, dense, remat)
 
 
-def _modelled_search(search: Candidates, model: CostModel | None, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,
-                     verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
+def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence[tuple], names: Sequence[str],
+                     variants: Sequence[tuple[str, str]], limit: float, verify: int, infeasible: Callable[..., ValueError]) -> tuple:  # fmt: skip
     """The fastest compiled candidate within ``limit``, searched with the cost model
     (``bsr_jax.planning.cost``): remat on every block and the probes measure every option and
     variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled, and
     the model, calibrated by every step compiled so far, is solved again, until ``verify``
-    candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled.
-    Where one of them (or ``model``'s reference, the dense step: ``model`` None) needs more than the
+    candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled. Where one of them (or ``model``'s reference, the dense step: ``model`` None) needs more than the
     device holds, XLA compiles nothing to learn from: the fastest of those that compiled."""
     blocks = search.family.blocks
-    keys = [(("remat",) * len(blocks), "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
     measured = [search.measure(*key, breakdown=True) for key in keys]
     measured = [search.current(m) for m in measured]
     if model is None or not all(m.compiled for m in measured):

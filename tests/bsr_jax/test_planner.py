@@ -347,6 +347,26 @@ def test_a_budget_the_dense_step_fits_is_one_compile_of_exact_options(compiled, 
     assert "'int4', 'int4-dx8', 'topk'" in capsys.readouterr().err.splitlines()[0] and len(compiles) <= 1
 
 
+def test_prefetched_candidates_compile_once_in_threads_to_what_a_plain_compile_gives(compiles):
+    """plan compiles remat and the probes while it lowers the next (XLA compiles outside Python's
+    lock): the same peak, time and breakdown as compiled in the caller's thread, each once."""
+    def candidates():
+        return planner.Candidates(planner.Linen(Net(), _labels_loss, BATCH, None, None), {"plain": _labels_loss}, BATCH, optax.adamw(1e-3),
+                                  "h100", False, None)  # fmt: skip
+
+    ahead = candidates()
+    keys = [(("remat",) * 4, "keep", "plain"), (("keep", "lean", "remat-dots", "keep"), "keep", "plain")]
+    ahead.prefetch(keys, breakdown=True)
+    ahead.prefetch(keys, breakdown=True)  # started already: nothing more
+    assert len(ahead.pending) == 2 and len(compiles) == 2
+    threaded = [ahead.measure(*key, breakdown=True) for key in keys]
+    assert not ahead.pending and len(compiles) == 2
+    again = candidates().measure(*keys[1], breakdown=True)
+    assert (again.peak, again.seconds) == (threaded[1].peak, threaded[1].seconds) and len(compiles) == 3
+    ahead.close()
+    assert ahead._pool is None
+
+
 def test_an_infeasible_budget_stops_at_remat_on_every_block(compiled, compiles):
     """Issue 39: budget=0.01 searched for 5 min 22 s to say that nothing fits. Measured with Triton
     GEMMs (compiled_memory's default): remat on every block 64 MiB, 0.37 of dense's (with cuBLAS:
