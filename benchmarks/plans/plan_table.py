@@ -1,7 +1,9 @@
 """The planner's table: ``bsr_jax.plan`` on ResMLP-S12, ViT-B/16, the 12x768 LM and ResNet-50, for
 H100 and TPU v5p, at budgets of 0.2, 0.3, 0.5 and 0.7 of the dense step's compiled peak.
 
-Per plan: its compiled peak and modelled time as ratios to the dense step's on the same target,
+Plans are ``plan(..., microbatches="auto")`` (``--microbatches``): the faster of the plan at one
+micro-batch and the dense step at the fewest micro-batches that fits (not for ResNet-50, whose
+BatchNorm statistics would be each slice's). Per plan: its compiled peak and modelled time as ratios to the dense step's on the same target,
 what it chose, and the fastest baseline that fits the same budget, compiled on the planner's
 instrument (``plan``'s ``Candidates``) after the search: JAX's remat policies on every block
 (default, ``dots_with_no_batch_dims_saveable``, ``dots_saveable``, offload, through
@@ -78,7 +80,7 @@ def baselines(name, target, model, loss_fn, x, y, cache):
     return found
 
 
-def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None):
+def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None, microbatches="auto"):
     """Yields one row per budget, as each plan is made. With ``loss_chunk`` the loss runs through
     ``bsr_jax.chunked_head_loss`` and budgets and ratios refer to ``plain``, the plain loss's dense
     step (``{"peak_mib", "ms"}``), so that both rows answer the same budget in bytes."""
@@ -86,12 +88,14 @@ def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None):
     x, y = _batch(shape)
     loss_fn = bsr_jax.chunked_head_loss(_loss_fn, chunk=loss_chunk) if loss_chunk else _loss_fn
     baseline_cache = {}
+    if set(cm.jax.eval_shape(model.init, cm.jax.random.key(0), x)) != {"params"}:
+        microbatches = 1  # BatchNorm's statistics would be each slice's: not the same step
     with context:
         for budget in budgets:
             start = time.time()
             try:
                 p = planner.plan(model, loss_fn, x, y, optimizer=optax.adamw(1e-3), target=target, options=options, cache=cache,
-                                 budget=int(budget * plain["peak_mib"] * 2**20) if plain else budget)  # fmt: skip
+                                 budget=int(budget * plain["peak_mib"] * 2**20) if plain else budget, microbatches=microbatches)  # fmt: skip
             except ValueError as e:
                 yield dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, error=str(e), seconds=time.time() - start)
                 continue
@@ -106,7 +110,8 @@ def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None):
             yield dict(
                 model=name, target=target, budget=budget, loss_chunk=loss_chunk, peak_ratio=p.peak / 2**20 / dense_mib,
                 time_ratio=p.modelled_seconds * 1e3 / dense_ms, peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3,
-                dense_mib=dense_mib, dense_ms=dense_ms, chosen=p.label,
+                dense_mib=dense_mib, dense_ms=dense_ms, chosen=p.label + (f", {p.microbatches} micro-batches" if p.microbatches > 1 else ""),
+                microbatches=p.microbatches, microbatches_asked=microbatches,
                 compiles=len(p.tried), seconds=seconds, options=list(options),
                 baselines={label: dict(peak_ratio=m.peak / 2**20 / dense_mib, time_ratio=m.seconds * 1e3 / dense_ms if m.compiled else None)
                            for label, m in others.items()},
@@ -143,6 +148,8 @@ def main(argv=None):
     parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     # The opt-in named policies only when asked: each option searched costs compiles per plan.
     parser.add_argument("--options", nargs="+", choices=list(planner.OPTIONS), default=[o for o, option in planner.OPTIONS.items() if not option.opt_in])
+    parser.add_argument("--microbatches", default="auto", help="plan(microbatches=...): 'auto' (default; 1 for models with "
+                        "collections besides params, ResNet-50's BatchNorm) or a count")
     parser.add_argument("--loss-chunk", type=int, default=0, help="the loss through bsr_jax.chunked_head_loss with this chunk; "
                         "budgets and ratios against the plain loss's dense step, from that model's plain rows (default: 0, plain)")
     parser.add_argument("--out", default="benchmarks/results/plan_table.json")
@@ -161,7 +168,8 @@ def main(argv=None):
                 if args.loss_chunk and plain is None:
                     sys.exit(f"--loss-chunk: no plain row of {name} on {target} in {args.out} to take the dense step from; run without it first")
                 print(f"{name} {target} budgets {todo} ...", file=sys.stderr, flush=True)
-                for row in measure(name, target, todo, tuple(args.options), {}, args.loss_chunk, plain if args.loss_chunk else None):
+                for row in measure(name, target, todo, tuple(args.options), {}, args.loss_chunk, plain if args.loss_chunk else None,
+                                   args.microbatches if args.microbatches == "auto" else int(args.microbatches)):
                     row["meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
                     saved["rows"].append(row)
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

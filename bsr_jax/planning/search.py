@@ -236,7 +236,8 @@ def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[
     # Remat on every block and the probes are what the cost model needs where the dense step does
     # not fit: lowered while it compiles (lowering is Python, compiling is XLA's threads), compiled
     # only once it does not fit.
-    measuring = [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
+    only_dense = len(names) == 1 and len(variants) == 1  # options=["keep"]: microbatches="auto" at k > 1
+    measuring = [] if only_dense else [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
     search.prefetch([(("keep",) * n, "keep", "plain")], breakdown=True)
     for choices, rest, loss in measuring:
         if (search.scope, choices, rest, loss) not in search.shared:
@@ -257,6 +258,8 @@ def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[
         return _plan(family, search, loss_fns, (("keep",) * n, "keep", "plain"), limit, target, dense, None)
     if search.argument_bytes > limit:
         raise infeasible(dense, f"; the step's arguments alone (parameters, optimizer state, batch) take {search.argument_bytes / 2**20:,.0f} MiB")
+    if only_dense:
+        raise infeasible(dense, ": the options allow nothing else")
     # Where remat on every block may end the search (below), the probes wait for it.
     search.prefetch(measuring[:1] if len(variants) == 1 else measuring, breakdown=True)
     # Remat on every block keeps only the blocks' inputs, the least of any option (no option
