@@ -75,7 +75,7 @@ def baselines(name, target, model, loss_fn, x, y, cache):
         steps = planner.Candidates(planner.Linen(model, loss_fn, (x, y), None, None), {"plain": loss_fn}, (x, y), optax.adamw(1e-3),
                                    target, False, cache, microbatches=k)  # fmt: skip
         n = len(steps.family.blocks)
-        for setting in (REMAT_SETTINGS + NAMED_SETTINGS if k == 1 else ("keep", "remat")):
+        for setting in (("keep",) + REMAT_SETTINGS + NAMED_SETTINGS if k == 1 else ("keep", "remat")):
             found[setting if k == 1 else f"{'dense' if setting == 'keep' else setting} k={k}"] = steps.measure([setting] * n, "keep")
     return found
 
@@ -97,26 +97,31 @@ def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None, mic
                 p = planner.plan(model, loss_fn, x, y, optimizer=optax.adamw(1e-3), target=target, options=options, cache=cache,
                                  budget=int(budget * plain["peak_mib"] * 2**20) if plain else budget, microbatches=microbatches)  # fmt: skip
             except ValueError as e:
-                yield dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, error=str(e), seconds=time.time() - start)
-                continue
+                p, error = None, str(e)
             seconds = time.time() - start
-            dense_mib, dense_ms = (plain["peak_mib"], plain["ms"]) if plain else (p.dense.peak / 2**20, p.dense.seconds * 1e3)
             # The baselines are compiled after the search, not timed with it, in a cache of their
             # own: the next budget's search must not find them compiled.
             others = baselines(name, target, model, loss_fn, x, y, baseline_cache)
-            fitting = {label: m for label, m in others.items() if m.compiled and m.peak <= p.budget}
+            dense = others["dense"]
+            dense_mib, dense_ms = (plain["peak_mib"], plain["ms"]) if plain else (dense.peak / 2**20, dense.seconds * 1e3)
+            limit = budget * dense_mib * 2**20
+            fitting = {label: m for label, m in others.items() if m.compiled and m.peak <= limit}
             best = min(fitting, key=lambda label: fitting[label].seconds, default=None)
+            found = dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, seconds=seconds, options=list(options),
+                         microbatches_asked=microbatches, dense_mib=dense_mib, dense_ms=dense_ms,
+                         baselines={label: dict(peak_ratio=m.peak / 2**20 / dense_mib, time_ratio=m.seconds * 1e3 / dense_ms if m.compiled else None)
+                                    for label, m in others.items()},
+                         best_baseline=best and dict(label=best, peak_ratio=fitting[best].peak / 2**20 / dense_mib,
+                                                     time_ratio=fitting[best].seconds * 1e3 / dense_ms))  # fmt: skip
+            if p is None:
+                yield found | dict(error=error)
+                continue
             print(p, file=sys.stderr)
-            yield dict(
-                model=name, target=target, budget=budget, loss_chunk=loss_chunk, peak_ratio=p.peak / 2**20 / dense_mib,
+            yield found | dict(
+                peak_ratio=p.peak / 2**20 / dense_mib,
                 time_ratio=p.modelled_seconds * 1e3 / dense_ms, peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3,
-                dense_mib=dense_mib, dense_ms=dense_ms, chosen=p.label + (f", {p.microbatches} micro-batches" if p.microbatches > 1 else ""),
-                microbatches=p.microbatches, microbatches_asked=microbatches,
-                compiles=len(p.tried), seconds=seconds, options=list(options),
-                baselines={label: dict(peak_ratio=m.peak / 2**20 / dense_mib, time_ratio=m.seconds * 1e3 / dense_ms if m.compiled else None)
-                           for label, m in others.items()},
-                best_baseline=best and dict(label=best, peak_ratio=fitting[best].peak / 2**20 / dense_mib,
-                                            time_ratio=fitting[best].seconds * 1e3 / dense_ms),
+                chosen=p.label + (f", {p.microbatches} micro-batches" if p.microbatches > 1 else ""), microbatches=p.microbatches,
+                compiles=len(p.tried),
             )  # fmt: skip
 
 
@@ -126,7 +131,9 @@ def table(rows):
     for r in sorted(rows, key=lambda r: (r["model"], r["target"], r.get("loss_chunk", 0), r["budget"])):
         model = r["model"] + (f" + chunked loss ({r['loss_chunk']})" if r.get("loss_chunk") else "")
         if "error" in r:
-            lines.append(f"| {model} | {r['target']} | {r['budget']} | - | - | {r['error'].split(', with ')[0]} | | | | |")
+            b = r.get("best_baseline")
+            bt = "-" if b is None else f"{b['label']}: {b['peak_ratio']:.2f} / {b['time_ratio']:.2f}"
+            lines.append(f"| {model} | {r['target']} | {r['budget']} | - | - | {r['error'].split(', with ')[0]} | {bt} | | | {r.get('seconds', 0):.0f} s |")
             continue
         b = r.get("best_baseline", "old")
         if b == "old":  # rows before the baselines of every kind: the fastest uniform remat

@@ -57,7 +57,8 @@ def accumulated_value_and_grad(fn: Callable[..., jax.Array], microbatches: int) 
 
 
 def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any) -> Plan:
-    """``plan(microbatches="auto")``: the plan at 1 against the dense step at 2, 4, 8 micro-batches."""
+    """``plan(microbatches="auto")``: the plan at 1 against the dense step at 2, 4, 8 micro-batches;
+    where none fits, remat on every block at the fewest of them that fits."""
     dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
     kind, amount = parse_budget(budget)
     limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
@@ -73,6 +74,16 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any)
             refusal = refusal or error
         if found and found[-1].microbatches == k and (k > 1 or found[-1].remat is None):
             break  # the dense step fits: more slices only add steps to the loop
+    # Nothing fits at one micro-batch nor densely at any count: remat on every block at the fewest
+    # micro-batches that fits it, as a last resort (two compiles per count: its dense step, remat).
+    for k in [] if found else [k for k in (2, 4, 8) if divides(k, batch)]:
+        try:
+            found.append(dataclasses.replace(plan_at(budget=limit, microbatches=k, options=["keep", "remat"], rest_options=["keep"], verify=0,
+                                                     loss_chunk=None), dense=dense))  # fmt: skip
+            break
+        except ValueError as error:
+            if "no candidate fits" not in str(error):
+                raise
     if not found:
         raise refusal
     return min(found, key=lambda p: p.modelled_seconds)

@@ -301,9 +301,22 @@ def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence
     for key, (m, _) in search.cache.items():  # what earlier calls sharing the cache compiled
         if key not in model.steps and m.compiled:
             model.observe(key, m.peak, m.seconds)
-    fits, tried = 0, 0
+    _verify(search, model, names, variants, limit, verify)
+    return _fastest_fitting(search, names, variants, limit, infeasible)
+
+
+def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float, verify: int) -> None:
+    """Compiles what ``model`` predicts fastest within ``limit``, recalibrating it with each, until
+    ``verify`` fit, ``2 * verify`` were compiled, or its fastest is one compiled already (one over
+    ``limit`` asks it for that much less)."""
+    fits, tried, asked = 0, 0, limit
     while fits < verify and tried < 2 * verify:
-        key = model.solve(limit, names, variants)
+        key = model.solve(asked, names, variants)
+        if key is not None and key in search.cache and search.cache[key][0].compiled and search.cache[key][0].peak > limit:
+            # Predicted to fit, compiled over the budget by less than the model tells apart (ViT-B/16
+            # at 0.5: 5,558 MiB in 5,556, predicted 5,513): ask it for that much less.
+            asked -= search.cache[key][0].peak - limit + 0.005 * limit
+            continue
         if key is None or key in search.cache:
             break  # nothing predicted fits, or the model's fastest was compiled already
         compiled_before = len(search.programs)
@@ -315,7 +328,6 @@ def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence
             model.observe(key, measured.peak, measured.seconds)
         tried += len(search.programs) > compiled_before
         fits += measured.compiled and measured.peak <= limit
-    return _fastest_fitting(search, names, variants, limit, infeasible)
 
 
 def _fastest_fitting(search: Candidates, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,
