@@ -76,7 +76,8 @@ def baselines(name, target, model, loss_fn, x, y, cache):
                                    target, False, cache, microbatches=k)  # fmt: skip
         n = len(steps.family.blocks)
         for setting in (("keep",) + REMAT_SETTINGS + NAMED_SETTINGS if k == 1 else ("keep", "remat")):
-            found[setting if k == 1 else f"{'dense' if setting == 'keep' else setting} k={k}"] = steps.measure([setting] * n, "keep")
+            label = "dense" if setting == "keep" else setting
+            found[label if k == 1 else f"{label} k={k}"] = steps.measure([setting] * n, "keep")
     return found
 
 
