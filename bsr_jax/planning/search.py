@@ -155,8 +155,9 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         summation order); it must divide the batch. ``Plan.microbatches`` says it for the user's
         step. Default 1: the batch at once. ``"auto"``: the faster of the plan at 1 and the dense
         step at the fewest micro-batches (2, 4 or 8, dividing the batch) that fits the budget, a
-        fractional budget being of the whole batch's dense step (each count tried costs one or two
-        compiles; the plan's ``dense`` stays the whole batch's).
+        fractional budget being of the whole batch's dense step (each count tried costs one
+        compile; the plan's ``dense`` stays the whole batch's); where neither fits, remat on every
+        block at the fewest of those counts that fits it.
       value_and_grad: (linen, one micro-batch) how the step takes its gradient, as the user's step
         does: ``value_and_grad(loss) -> (params, *batch) -> (loss value, grads)``, with ``loss(params,
         *batch) -> scalar``; default ``jax.value_and_grad``. For a step that is not plain autodiff

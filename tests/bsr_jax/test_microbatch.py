@@ -21,10 +21,12 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
+    blocks: int = 3
+
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(64)(x)
-        for i in range(3):
+        for i in range(self.blocks):
             x = Block(name=f"blocks_{i}")(x)
         return nn.Dense(10)(x)
 
@@ -98,32 +100,22 @@ def test_auto_falls_back_to_the_fewest_micro_batches_whose_dense_step_fits():
         bsr_jax.plan(Net(), _loss, x, y, budget=0.7, microbatches="all", **common)
 
 
-class Deep(nn.Module):
-    """Twelve wide blocks: remat keeps their inputs, 12 x (B, 64); the dense step all of it."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(64)(x)
-        for i in range(12):
-            x = Block(name=f"blocks_{i}")(x)
-        return nn.Dense(10)(x)
-
-
 @pytest.mark.slow
 def test_auto_takes_remat_at_the_fewest_micro_batches_where_nothing_else_fits():
     """Where neither the plan at one micro-batch nor the dense step at 2, 4 or 8 fits, "auto" takes
-    remat on every block at the fewest micro-batches that fits it, as plan(microbatches=k) measures it."""
+    remat on every block at the fewest micro-batches that fits it, as plan(microbatches=k) measures it.
+    Twelve wide blocks: remat keeps their inputs, 12 x (B, 64); the dense step all of them."""
     x, y = jax.ShapeDtypeStruct((4096, 16), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.int32)
     cache = {}
 
     def step(k, option):  # as plan measures it, into the cache plan reads
-        family = planner.Linen(Deep(), _loss, (x, y), None, None)
+        family = planner.Linen(Net(blocks=12), _loss, (x, y), None, None)
         return planner.Candidates(family, {"plain": _loss}, (x, y), optax.adamw(1e-3), "h100", False, cache, microbatches=k).measure(
             [option] * 12, "keep")  # fmt: skip
 
     remat1, remat2, dense8 = step(1, "remat"), step(2, "remat"), step(8, "keep")
     assert remat2.peak < min(remat1.peak, dense8.peak), (remat2.peak, remat1.peak, dense8.peak)
     budget = (remat2.peak + min(remat1.peak, dense8.peak)) // 2
-    chosen = bsr_jax.plan(Deep(), _loss, x, y, budget=budget, microbatches="auto", options=["keep", "remat"], optimizer=optax.adamw(1e-3),
+    chosen = bsr_jax.plan(Net(blocks=12), _loss, x, y, budget=budget, microbatches="auto", options=["keep", "remat"], optimizer=optax.adamw(1e-3),
                           target="h100", progress=False, rest_options=["keep"], cache=cache)  # fmt: skip
     assert chosen.microbatches == 2 and set(chosen.choices.values()) == {"remat", "keep"} and chosen.peak == remat2.peak
