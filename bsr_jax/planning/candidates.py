@@ -1,9 +1,10 @@
 """The candidates ``plan`` compiles: ``Family`` (what differs between linen and NNX models) and
 ``Candidates`` (each candidate lowered, compiled deviceless once, cached by its choices, remembered
 in order; over a mesh, on the target's devices; ``prefetch`` compiles ahead, two at a time, in
-threads: XLA compiles outside Python's lock, while the caller traces the next candidate). A candidate XLA refuses to compile because it
-needs more than the device's memory (XLA:TPU checks its HBM) is remembered as not fitting, with
-the bytes XLA said it needs as its peak (``Measured.compiled`` False), not raised."""
+threads: XLA compiles outside Python's lock, while the caller traces the next candidate). A
+candidate XLA refuses to compile because it needs more than the device's memory (XLA:TPU checks its
+HBM) is remembered as not fitting, with the bytes XLA said it needs as its peak
+(``Measured.compiled`` False), not raised."""
 
 from __future__ import annotations
 

@@ -284,8 +284,10 @@ def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence
     (``bsr_jax.planning.cost``): remat on every block and the probes measure every option and
     variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled, and
     the model, calibrated by every step compiled so far, is solved again, until ``verify``
-    candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled. Where one of them (or ``model``'s reference, the dense step: ``model`` None) needs more than the
-    device holds, XLA compiles nothing to learn from: the fastest of those that compiled."""
+    candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled
+    (``_verify``). Where one of them (or ``model``'s reference, the dense step: ``model`` None)
+    needs more than the device holds, XLA compiles nothing to learn from: the fastest of those
+    that compiled."""
     blocks = search.family.blocks
     measured = [search.measure(*key, breakdown=True) for key in keys]
     measured = [search.current(m) for m in measured]
