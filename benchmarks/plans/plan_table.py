@@ -3,9 +3,10 @@ H100 and TPU v5p, at budgets of 0.2, 0.3, 0.5 and 0.7 of the dense step's compil
 
 Plans are ``plan(..., microbatches="auto")`` (``--microbatches``): the faster of the plan at one
 micro-batch and the dense step at the fewest micro-batches that fits (not for ResNet-50, whose
-BatchNorm statistics would be each slice's). Per plan: its compiled peak and modelled time as ratios to the dense step's on the same target,
-what it chose, and the fastest baseline that fits the same budget, compiled on the planner's
-instrument (``plan``'s ``Candidates``) after the search: JAX's remat policies on every block
+BatchNorm statistics would be each slice's). Per plan: its compiled peak and modelled time as
+ratios to the dense step's on the same target, what it chose, and the fastest baseline that fits
+the same budget, compiled on the planner's instrument (``plan``'s ``Candidates``) after the first
+search, outside any search's time: JAX's remat policies on every block
 (default, ``dots_with_no_batch_dims_saveable``, ``dots_saveable``, offload, through
 ``compress_model(remat=)``: the same peaks and times as ``nn.remat`` per block, docs/RESULTS.md
 12), MaxText's named policies on every block (``remat-minimal``, ``remat-save-qkv``,
@@ -63,18 +64,17 @@ def _batch(shape):
     return x, cm.jax.ShapeDtypeStruct(shape if tokens else shape[:1], jnp.int32)
 
 
-def baselines(name, target, model, loss_fn, x, y, cache):
+def baselines(family, loss_fn, batch, target):
     """Every baseline step of the model, budget-free: label -> Measured (``Candidates.measure``, the
     planner's instrument): JAX's remat policies and MaxText's named ones on every block, and the
     dense step and remat on every block at each micro-batch count of ``MICROBATCHES`` dividing the
-    batch (``bsr_jax.accumulated_value_and_grad``). ``cache`` is shared between budgets."""
+    batch (``bsr_jax.accumulated_value_and_grad``). ``family``: the model's ``planner.Linen``."""
     found = {}
     for k in (1, *MICROBATCHES):
-        if x.shape[0] % k:
+        if batch[0].shape[0] % k:
             continue
-        steps = planner.Candidates(planner.Linen(model, loss_fn, (x, y), None, None), {"plain": loss_fn}, (x, y), optax.adamw(1e-3),
-                                   target, False, cache, microbatches=k)  # fmt: skip
-        n = len(steps.family.blocks)
+        steps = planner.Candidates(family, {"plain": loss_fn}, batch, optax.adamw(1e-3), target, False, None, microbatches=k)
+        n = len(family.blocks)
         for setting in (("keep",) + REMAT_SETTINGS + NAMED_SETTINGS if k == 1 else ("keep", "remat")):
             label = "dense" if setting == "keep" else setting
             found[label if k == 1 else f"{label} k={k}"] = steps.measure([setting] * n, "keep")
@@ -88,10 +88,11 @@ def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None, mic
     model, shape, _, context = cm.MODELS[name]("dense")
     x, y = _batch(shape)
     loss_fn = bsr_jax.chunked_head_loss(_loss_fn, chunk=loss_chunk) if loss_chunk else _loss_fn
-    baseline_cache = {}
-    if set(cm.jax.eval_shape(model.init, cm.jax.random.key(0), x)) != {"params"}:
-        microbatches = 1  # BatchNorm's statistics would be each slice's: not the same step
+    others = None  # the baselines, budget-free: compiled after the first search, outside its time
     with context:
+        family = planner.Linen(model, loss_fn, (x, y), None, None)
+        if set(family.state) != {"params"}:
+            microbatches = 1  # BatchNorm's statistics would be each slice's: not the same step
         for budget in budgets:
             start = time.time()
             try:
@@ -100,25 +101,24 @@ def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None, mic
             except ValueError as e:
                 p, error = None, str(e)
             seconds = time.time() - start
-            # The baselines are compiled after the search, not timed with it, in a cache of their
-            # own: the next budget's search must not find them compiled.
-            others = baselines(name, target, model, loss_fn, x, y, baseline_cache)
+            # In no cache the searches share: the next budget's search must not find them compiled.
+            others = others or baselines(family, loss_fn, (x, y), target)
             dense = others["dense"]
             dense_mib, dense_ms = (plain["peak_mib"], plain["ms"]) if plain else (dense.peak / 2**20, dense.seconds * 1e3)
             limit = budget * dense_mib * 2**20
             fitting = {label: m for label, m in others.items() if m.compiled and m.peak <= limit}
             best = min(fitting, key=lambda label: fitting[label].seconds, default=None)
-            found = dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, seconds=seconds, options=list(options),
+            row = dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, seconds=seconds, options=list(options),
                          microbatches_asked=microbatches, dense_mib=dense_mib, dense_ms=dense_ms,
                          baselines={label: dict(peak_ratio=m.peak / 2**20 / dense_mib, time_ratio=m.seconds * 1e3 / dense_ms if m.compiled else None)
                                     for label, m in others.items()},
                          best_baseline=best and dict(label=best, peak_ratio=fitting[best].peak / 2**20 / dense_mib,
                                                      time_ratio=fitting[best].seconds * 1e3 / dense_ms))  # fmt: skip
             if p is None:
-                yield found | dict(error=error)
+                yield row | dict(error=error)
                 continue
             print(p, file=sys.stderr)
-            yield found | dict(
+            yield row | dict(
                 peak_ratio=p.peak / 2**20 / dense_mib,
                 time_ratio=p.modelled_seconds * 1e3 / dense_ms, peak_mib=p.peak / 2**20, modelled_ms=p.modelled_seconds * 1e3,
                 chosen=p.label + (f", {p.microbatches} micro-batches" if p.microbatches > 1 else ""), microbatches=p.microbatches,

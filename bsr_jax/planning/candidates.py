@@ -99,15 +99,17 @@ class Candidates:
             self.lowered[key] = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), lowered)
         return self.lowered[key][0]
 
+    def lower(self, keys: Sequence[tuple]) -> list[tuple[tuple, str]]:
+        """Lowers these candidates (``(choices, rest, loss)``) that are not cached yet, this
+        search's or a shared cache's: their keys and programs' hashes."""
+        keys = [(tuple(choices), rest, loss) for choices, rest, loss in keys]
+        return [(key, self.program(*key)) for key in keys if key not in self.cache and (self.scope, *key) not in self.shared]
+
     def prefetch(self, keys: Sequence[tuple], breakdown: bool = False) -> None:
         """Start compiling these candidates (``(choices, rest, loss)``) in the background, at most
         ``COMPILE_THREADS`` at a time, each lowered here first; ``measure`` takes the result. What
         is cached, compiled or started already is skipped."""
-        for choices, rest, loss in keys:
-            key = (tuple(choices), rest, loss)
-            if key in self.cache or (self.scope, *key) in self.shared:
-                continue
-            program = self.program(*key)
+        for key, program in self.lower(keys):
             if program in self.programs or program in self.pending:
                 continue
             if self._pool is None:

@@ -62,30 +62,29 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any)
     dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
     kind, amount = parse_budget(budget)
     limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
-    found, refusal = [], None
-    for k in [1, *(k for k in (2, 4, 8) if divides(k, batch))]:
-        # At k > 1 only the dense step: a micro-batched plan of blocks would multiply the search.
-        narrowed = {} if k == 1 else dict(options=["keep"], rest_options=["keep"], verify=0, loss_chunk=None)
+    refusals: list[ValueError] = []
+
+    def at(k: int, options: list[str] | None = None) -> Plan | None:
+        """The plan at ``k`` micro-batches (``options``: only those, nothing else searched), or None where nothing fits."""
+        narrowed = {} if options is None else dict(options=options, rest_options=["keep"], verify=0, loss_chunk=None)
         try:
-            found.append(dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense))
+            return dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense)
         except ValueError as error:
             if "no candidate fits" not in str(error):
                 raise
-            refusal = refusal or error
-        if found and found[-1].microbatches == k and (k > 1 or found[-1].remat is None):
-            break  # the dense step fits: more slices only add steps to the loop
-    # Nothing fits at one micro-batch nor densely at any count: remat on every block at the fewest
-    # micro-batches that fits it, as a last resort (two compiles per count: its dense step, remat).
-    for k in [] if found else [k for k in (2, 4, 8) if divides(k, batch)]:
-        try:
-            found.append(dataclasses.replace(plan_at(budget=limit, microbatches=k, options=["keep", "remat"], rest_options=["keep"], verify=0,
-                                                     loss_chunk=None), dense=dense))  # fmt: skip
-            break
-        except ValueError as error:
-            if "no candidate fits" not in str(error):
-                raise
+            refusals.append(error)
+            return None
+
+    counts = [k for k in (2, 4, 8) if divides(k, batch)]
+    one = at(1)
+    found = [one] if one else []
+    if one is None or one.remat is not None:  # the dense step does not fit at one micro-batch
+        # At k > 1 only the dense step (a micro-batched plan of blocks would multiply the search), at the fewest k that fits.
+        found += next(([p] for k in counts if (p := at(k, ["keep"])) is not None), [])
+    if not found:  # nor at any count: remat on every block at the fewest that fits it, as a last resort
+        found = next(([p] for k in counts if (p := at(k, ["keep", "remat"])) is not None), [])
     if not found:
-        raise refusal
+        raise refusals[0]
     return min(found, key=lambda p: p.modelled_seconds)
 
 

@@ -240,9 +240,7 @@ def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[
     only_dense = len(names) == 1 and len(variants) == 1  # options=["keep"]: microbatches="auto" at k > 1
     measuring = [] if only_dense else [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
     search.prefetch([(("keep",) * n, "keep", "plain")], breakdown=True)
-    for choices, rest, loss in measuring:
-        if (search.scope, choices, rest, loss) not in search.shared:
-            search.program(choices, rest, loss)
+    search.lower(measuring)
     dense = search.measure(["keep"] * n, "keep", breakdown=True)  # the cost model's reference where it does not fit
     if not dense.compiled and kind == "fraction":
         raise ValueError(f"plan: the dense step does not compile on {target} (XLA needs at least {dense.peak / 2**20:,.0f} MiB, more than "
@@ -315,10 +313,11 @@ def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants
     fits, tried, asked = 0, 0, limit
     while fits < verify and tried < 2 * verify:
         key = model.solve(asked, names, variants)
-        if key is not None and key in search.cache and search.cache[key][0].compiled and search.cache[key][0].peak > limit:
+        compiled = search.cache[key][0] if key in search.cache else None
+        if compiled is not None and compiled.compiled and compiled.peak > limit:
             # Predicted to fit, compiled over the budget by less than the model tells apart (ViT-B/16
             # at 0.5: 5,558 MiB in 5,556, predicted 5,513): ask it for that much less.
-            asked -= search.cache[key][0].peak - limit + 0.005 * limit
+            asked -= compiled.peak - limit + 0.005 * limit
             continue
         if key is None or key in search.cache:
             break  # nothing predicted fits, or the model's fastest was compiled already
