@@ -40,7 +40,7 @@ class CommonSettings(Settings):
     remat: bool = False
     # Compressed residuals.
     sparsity: float = 0.0
-    block: int = 16
+    block: int | tuple[int, int] = 16  # a square side, or (rows, columns)
     criterion: Literal["l2", "l1"] = "l2"
     selection: Literal["global", "column"] = "global"
     backend: str | None = None
@@ -81,7 +81,7 @@ class CommonSettings(Settings):
             "depth": (self.depth is None or self.depth >= 1, ">= 1"),
             "dtype": (self.dtype in DTYPES, f"one of {DTYPES}"),
             "sparsity": (0.0 <= self.sparsity < 1.0, "in [0, 1)"),
-            "block": (self.block >= 1, ">= 1"),
+            "block": (all(side >= 1 for side in _sides(self.block)), "a side >= 1 or ROWSxCOLUMNS with both >= 1"),
             "criterion": (self.criterion in CRITERIA, f"one of {CRITERIA}"),
             "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
             "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
@@ -105,6 +105,10 @@ class CommonSettings(Settings):
             "checkpoint_every": (self.checkpoint_every >= 1, ">= 1"),
             "keep_checkpoints": (self.keep_checkpoints >= 1, ">= 1"),
         }
+
+
+def _sides(block: int | tuple[int, int]) -> tuple[int, ...]:
+    return block if isinstance(block, tuple) else (block,)
 
 
 # The --help texts both trainers give; a trainer's own text for a field replaces its entry here.

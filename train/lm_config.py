@@ -153,7 +153,7 @@ HELP = {
     "loss_chunk": "tokens per chunk of the head + cross-entropy (bsr_jax.ops.losses; the (B, T, V) logits never exist); "
     "0: the plain head and loss",
     "sparsity": "fraction of activation blocks dropped from each linear layer's weight-gradient residual (0 = dense)",
-    "block": "square block side of the pruning and of the per-block scales",
+    "block": "block of the pruning and of the per-block scales: a square side (16) or ROWSxCOLUMNS (1x128)",
     "sparse_head": "also compress the head's input",
     "lean": "with compression, norms, SwiGLU and attention keep less too (exact; bsr_jax.compress_model's lean)",
     "sparsity_warmup_steps": "ramp every layer's sparsity from 0 to its target over this many steps, in 4 stairs",

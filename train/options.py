@@ -53,7 +53,8 @@ HELP = {
     "(bsr_jax.remat_policy())",
     "sparsity": "fraction of activation blocks dropped from the weight-gradient residuals (0 = dense); "
     "ResNet: every convolution's input as (N*H*W, C) blocks",
-    "block": "square block side of the pruning",
+    "block": "block of the pruning and of the per-block scales: a square side (16) or ROWSxCOLUMNS (1x128: one scale "
+    "per token and 128 features, the fused kernels' format)",
     "sparse_stem": "also prune the patch embedding's input",
     "sparse_head": "also prune the classifier's input",
     "prune_scale_shift": "also prune the inputs of Affine and LayerScale (their scale gradients)",

@@ -50,7 +50,9 @@ class Settings:
     (``LAYOUT``: a subclass's fields come after its base's, which would scatter each trainer's flags),
     the fields a resumed run may change (``RESUME_OVERRIDES``) and the program that writes their
     ``config.json`` (``WRITER``), and call ``check`` from ``__post_init__``. A field
-    ``layer_sparsity`` (``PATTERN=VALUE`` rules) is a tuple of pairs here and a list of lists in JSON.
+    ``layer_sparsity`` (``PATTERN=VALUE`` rules) is a tuple of pairs here and a list of lists in JSON;
+    a field ``block`` is a side or a ``(rows, columns)`` pair (``--block 16``, ``--block 1x128``), a
+    list in JSON.
     """
 
     LAYOUT: ClassVar[tuple[str, ...]] = ()
@@ -82,6 +84,8 @@ class Settings:
                 raise UsageError(f"setting {field.name} holds {fields[field.name]!r}, not a {field.type}: repair it, or pass another --workdir")
         if "layer_sparsity" in fields:
             fields = {**fields, "layer_sparsity": tuple(map(tuple, fields["layer_sparsity"]))}
+        if isinstance(fields.get("block"), list):
+            fields = {**fields, "block": tuple(fields["block"])}
         return cls(**fields)
 
     def resume_conflicts(self, saved: Settings) -> list[str]:
@@ -101,6 +105,8 @@ def _json_type_ok(annotation: str, value: Any) -> bool:
         return annotation.endswith("| None")
     base = annotation.split(" | ")[0]
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if "tuple[int, int]" in annotation and isinstance(value, list):  # a block's (rows, columns)
+        return len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if base.startswith("tuple"):  # layer rules: [[pattern, value], ...]
         return isinstance(value, list) and all(
             isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and _json_type_ok("float", r[1]) for r in value)
@@ -125,6 +131,8 @@ def flag(name: str) -> str:
 def show(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, tuple) and all(isinstance(v, int) for v in value):  # a block's (rows, columns)
+        return "x".join(map(str, value))
     if isinstance(value, tuple):  # layer rules
         return " ".join(f"{pattern}={sparsity}" for pattern, sparsity in value) or "none"
     return str(value)
@@ -141,6 +149,14 @@ def layer_rule(text: str) -> tuple[str, float]:
     return pattern, sparsity
 
 
+def block_shape(text: str) -> int | tuple[int, int]:
+    """``--block``'s value: a square side (``16``) or rows x columns (``1x128``)."""
+    sides = text.lower().split("x")
+    if len(sides) > 2 or not all(side.strip().isdigit() for side in sides):
+        raise argparse.ArgumentTypeError(f"expected a side N or ROWSxCOLUMNS (e.g. 16 or 1x128), got {text!r}")
+    return int(sides[0]) if len(sides) == 1 else (int(sides[0]), int(sides[1]))
+
+
 def build_parser(prog: str, description: str, defaults: Settings, help: Mapping[str, str],
                  choices: Mapping[str, Sequence[str]], workdir: str) -> Parser:  # fmt: skip
     """One flag per field of ``defaults``' class (its default from ``defaults``) plus ``--workdir``."""
@@ -150,6 +166,8 @@ def build_parser(prog: str, description: str, defaults: Settings, help: Mapping[
         name, default, text = flag(field.name), getattr(defaults, field.name), help[field.name]
         if field.name == "layer_sparsity":
             parser.add_argument(name, type=layer_rule, action="append", default=list(default), metavar="PATTERN=VALUE", help=text)
+        elif field.name == "block":
+            parser.add_argument(name, type=block_shape, default=default, metavar="N|RxC", help=text)
         elif field.type == "bool":
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:

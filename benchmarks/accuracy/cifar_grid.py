@@ -40,6 +40,9 @@ CONFIGS: dict[str, list[str]] = {
     # Quantize-only: every block of every parameter-gradient residual kept, in low precision.
     "all-s0-b16-int8": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int8"],
     "all-s0-b16-int4": ["--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int4"],
+    # The fused kernels' format (backend="fused", issue 40): one scale per token and 128 features (the
+    # token-mixing layers' 64 tokens: one per row); on the CPU the unfused path stores the same codes.
+    "all-s0-1x128-int4": ["--sparsity", "0", "--block", "1x128", "--prune-scale-shift", "--storage-dtype", "int4"],
     "all-s0-b16-int4-sr": [  # unbiased (stochastic) rounding of the int4 values
         "--sparsity", "0", "--block", "16", "--prune-scale-shift", "--storage-dtype", "int4", "--rounding", "stochastic",
     ],

@@ -49,8 +49,7 @@ def _run_loss(run_config: dict, **overrides):
     settings (``overrides`` replace some, e.g. the model), with a fixed pruning key (stochastic
     options: shapes and costs do not depend on it)."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: (tuple(map(tuple, v)) if k == "layer_sparsity" else v) for k, v in run_config.items() if k in fields}
-    config = dataclasses.replace(TrainConfig(**values), **overrides)
+    config = dataclasses.replace(TrainConfig.from_json({k: v for k, v in run_config.items() if k in fields}), **overrides)
     model = create_model(config, num_classes=10)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"])
     loss = loss_function(model, 10, config.label_smoothing, config.layer_sparsity)
