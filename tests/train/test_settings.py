@@ -54,3 +54,27 @@ def test_every_float_setting_must_be_finite(field, value):
 def test_a_choice_flag_is_read_in_any_case(tmp_path):
     config, _, _ = lm_config.parse("train.lm", "doc", ["--workdir", str(tmp_path / "run"), "--target", "H100", "--storage-dtype", "INT4"])
     assert (config.target, config.storage_dtype) == ("h100", "int4")
+
+
+def test_block_is_a_side_or_rows_by_columns_in_flags_json_and_resume(tmp_path, capsys):
+    parse = lambda *flags: lm_config.parse("train.lm", "doc", ["--workdir", str(tmp_path / "run"), *flags])[0]  # noqa: E731
+    assert parse("--block", "32").block == 32
+    assert parse("--block", "1X128").block == (1, 128)
+    config = LMConfig(block=(1, 128))
+    assert json.loads(json.dumps(config.to_json()))["block"] == [1, 128]
+    assert LMConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
+    with pytest.raises(UsageError, match=r"setting block holds \[1, 2, 3\]"):
+        LMConfig.from_json({**config.to_json(), "block": [1, 2, 3]})
+    with pytest.raises(InvalidSetting, match=r"block must be a side >= 1 or ROWSxCOLUMNS with both >= 1, got \(1, 0\)"):
+        LMConfig(block=(1, 0))
+    for bad in ("1x2x3", "x128", "16.0"):
+        with pytest.raises(SystemExit):
+            parse("--block", bad)
+        assert "expected a side N or ROWSxCOLUMNS (e.g. 16 or 1x128)" in capsys.readouterr().err
+    workdir = tmp_path / "saved"
+    _saved_run(workdir, block=(1, 128))
+    resume = lambda *flags: lm_config.parse("train.lm", "doc", ["--workdir", str(workdir), "--resume", *flags])  # noqa: E731
+    assert resume("--block", "1x128")[0].block == (1, 128)
+    with pytest.raises(SystemExit):
+        resume("--block", "16")
+    assert "--block 16 (the run has 1x128)" in capsys.readouterr().err
