@@ -56,17 +56,20 @@ def accumulated_value_and_grad(fn: Callable[..., jax.Array], microbatches: int) 
     return accumulated
 
 
-def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any) -> Plan:
-    """``plan(microbatches="auto")``: the plan at 1 against the dense step at 2, 4, 8 micro-batches;
-    where none fits, remat on every block at the fewest of them that fits."""
+def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any, options: Sequence[str]) -> Plan:
+    """``plan(microbatches="auto")``: the plan at 1 against, where the dense step does not fit at 1,
+    plans at 2, 4, 8 micro-batches up to the fewest where the dense step fits (more only repeat the
+    same work in smaller pieces: slower): keep or remat per block (where ``options`` has it) up to
+    the fewest count where such a plan fits, the dense step alone beyond."""
     dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
     kind, amount = parse_budget(budget)
     limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
     refusals: list[ValueError] = []
 
     def at(k: int, options: list[str] | None = None) -> Plan | None:
-        """The plan at ``k`` micro-batches (``options``: only those, nothing else searched), or None where nothing fits."""
-        narrowed = {} if options is None else dict(options=options, rest_options=["keep"], verify=0, loss_chunk=None)
+        """The plan at ``k`` micro-batches (``options``: only those, the rest kept, one candidate
+        verified), or None where nothing fits."""
+        narrowed = {} if options is None else dict(options=options, rest_options=["keep"], verify=1, loss_chunk=None)
         try:
             return dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense)
         except ValueError as error:
@@ -75,14 +78,18 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any)
             refusals.append(error)
             return None
 
-    counts = [k for k in (2, 4, 8) if divides(k, batch)]
     one = at(1)
     found = [one] if one else []
     if one is None or one.remat is not None:  # the dense step does not fit at one micro-batch
-        # At k > 1 only the dense step (a micro-batched plan of blocks would multiply the search), at the fewest k that fits.
-        found += next(([p] for k in counts if (p := at(k, ["keep"])) is not None), [])
-    if not found:  # nor at any count: remat on every block at the fewest that fits it, as a last resort
-        found = next(([p] for k in counts if (p := at(k, ["keep", "remat"])) is not None), [])
+        # At k > 1 only keep or remat per block: every option at every count would multiply the search.
+        narrowed = ["keep", *(["remat"] if "remat" in options else [])]
+        for k in (k for k in (2, 4, 8) if divides(k, batch)):
+            if (p := at(k, narrowed)) is None:
+                continue
+            found.append(p)
+            if p.remat is None:
+                break  # the dense step fits at k
+            narrowed = ["keep"]  # a plan fits at k: at more, only the dense step (without remat's recomputation) may be faster
     if not found:
         raise refusals[0]
     return min(found, key=lambda p: p.modelled_seconds)

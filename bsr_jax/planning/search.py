@@ -197,7 +197,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
             raise ValueError("microbatches='auto' needs a flax.linen model (NNX: not yet)")
         same = dict(optimizer=optimizer, target=target, options=options, rest_options=rest_options, verify=verify, variables=variables,
                     init_args=init_args, progress=progress, cache={} if cache is None else cache, loss_chunk=loss_chunk)  # fmt: skip
-        return fastest_count(lambda **kw: plan(model, loss_fn, *example_batch, **(same | kw)), budget, batch)
+        return fastest_count(lambda **kw: plan(model, loss_fn, *example_batch, **(same | kw)), budget, batch, options)
     microbatches = check_microbatches(microbatches, batch, auto=True)
     if microbatches != 1 and family_type is not Linen:
         raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
@@ -237,7 +237,7 @@ def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[
     # Remat on every block and the probes are what the cost model needs where the dense step does
     # not fit: lowered while it compiles (lowering is Python, compiling is XLA's threads), compiled
     # only once it does not fit.
-    only_dense = len(names) == 1 and len(variants) == 1  # options=["keep"]: microbatches="auto" at k > 1
+    only_dense = len(names) == 1 and len(variants) == 1  # options=["keep"], rest kept, no chunked loss
     measuring = [] if only_dense else [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
     search.prefetch([(("keep",) * n, "keep", "plain")], breakdown=True)
     search.lower(measuring)

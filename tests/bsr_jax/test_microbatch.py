@@ -101,10 +101,10 @@ def test_auto_falls_back_to_the_fewest_micro_batches_whose_dense_step_fits():
 
 
 @pytest.mark.slow
-def test_auto_takes_remat_at_the_fewest_micro_batches_where_nothing_else_fits():
-    """Where neither the plan at one micro-batch nor the dense step at 2, 4 or 8 fits, "auto" takes
-    remat on every block at the fewest micro-batches that fits it, as plan(microbatches=k) measures it.
-    Twelve wide blocks: remat keeps their inputs, 12 x (B, 64); the dense step all of them."""
+def test_auto_takes_remat_at_fewer_micro_batches_where_it_is_faster_than_the_dense_step_at_more():
+    """Where nothing fits at one micro-batch, "auto" compares keep/remat per block at the fewest
+    counts with the dense step at the fewest count where it fits: twelve wide blocks, whose remat
+    keeps their inputs, 12 x (B, 64), at 2 micro-batches is faster than the dense step at 8."""
     x, y = jax.ShapeDtypeStruct((4096, 16), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.int32)
     cache = {}
 
@@ -113,9 +113,11 @@ def test_auto_takes_remat_at_the_fewest_micro_batches_where_nothing_else_fits():
         return planner.Candidates(family, {"plain": _loss}, (x, y), optax.adamw(1e-3), "h100", False, cache, microbatches=k).measure(
             [option] * 12, "keep")  # fmt: skip
 
-    remat1, remat2, dense8 = step(1, "remat"), step(2, "remat"), step(8, "keep")
-    assert remat2.peak < min(remat1.peak, dense8.peak), (remat2.peak, remat1.peak, dense8.peak)
-    budget = (remat2.peak + min(remat1.peak, dense8.peak)) // 2
+    remat1, remat2, dense4, dense8 = step(1, "remat"), step(2, "remat"), step(4, "keep"), step(8, "keep")
+    budget = (remat1.peak + dense8.peak) // 2
+    assert remat2.peak <= budget < min(remat1.peak, dense4.peak) and dense8.peak <= budget, (remat2.peak, remat1.peak, dense4.peak, dense8.peak)
+    assert remat2.seconds < dense8.seconds  # what makes this test: the old rule (dense at the fewest count) took dense8
     chosen = bsr_jax.plan(Net(blocks=12), _loss, x, y, budget=budget, microbatches="auto", options=["keep", "remat"], optimizer=optax.adamw(1e-3),
                           target="h100", progress=False, rest_options=["keep"], cache=cache)  # fmt: skip
-    assert chosen.microbatches == 2 and set(chosen.choices.values()) == {"remat", "keep"} and chosen.peak == remat2.peak
+    assert chosen.microbatches == 2 and chosen.peak <= budget and chosen.modelled_seconds <= remat2.seconds
+    assert "remat" in chosen.choices.values()
