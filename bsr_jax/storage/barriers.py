@@ -25,16 +25,21 @@ from jax.ad_checkpoint import checkpoint_name
 
 from bsr_jax.core.names import RESIDUAL_NAME
 
+LANES = 128  # XLA:TPU's minor tile
 T = TypeVar("T")
 U = TypeVar("U")
 
 
 @jax.tree_util.register_pytree_node_class
 class Stored:
-    """A residual as the compiled program keeps it: every array flattened to one dimension.
+    """A residual as the compiled program keeps it: arrays whose minor dimension is a multiple of
+    128 as they are, the others flattened to one dimension.
 
     XLA:TPU tiles an array's two minor dimensions to (8, 128): kept blocks ``(n, 16, 16)`` would
-    take 8x their bytes, a 1-D array takes its own. On GPU and CPU the reshape is free."""
+    take 8x their bytes, a 1-D array takes its own. Lane-dense arrays (1 x 128 blocks' codes) keep
+    their shape: flattening them is a relayout pass over them each way (ResMLP-S12's int8 step
+    on TPU v5p: 28.3 ms flattened, 22.2 ms as they are; docs/RESULTS.md 14.2). On GPU and CPU
+    the reshape is free."""
 
     def __init__(self, flat: tuple[jax.Array, ...], layout: tuple[Any, tuple[tuple[int, ...], ...]]):
         self.flat, self.layout = flat, layout
@@ -42,7 +47,8 @@ class Stored:
     @classmethod
     def of(cls, residual: Any) -> Stored:
         leaves, treedef = jax.tree.flatten(residual)
-        return cls(tuple(a.reshape(-1) for a in leaves), (treedef, tuple(a.shape for a in leaves)))
+        kept = tuple(a if a.ndim and a.shape[-1] % LANES == 0 else a.reshape(-1) for a in leaves)
+        return cls(kept, (treedef, tuple(a.shape for a in leaves)))
 
     def restore(self) -> Any:
         treedef, shapes = self.layout

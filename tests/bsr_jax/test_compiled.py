@@ -44,11 +44,11 @@ def _tiny_step_peak(target: str, pruning=None, scale_shift=None, remat=False, br
 def _int4_step_with_uint8_residuals(target: str, depth: int = 4) -> int:
     """The tiny step with every residual int4, compiled for ``target``: its peak, after asserting
     that the packed blocks are a buffer the backward reads. XLA once fused quantize -> dequantize
-    away and kept the f32 input; fc1's input, 8192 rows x 128 at 4 bits, flattened by
-    barriers.Stored, must be a u8[524288] parameter of a fusion."""
+    away and kept the f32 input; fc1's input, 8192 rows x 128 at 4 bits (two rows a byte, kept
+    lane-dense as they are by barriers.Stored), must be a u8[4096,128] parameter of a fusion."""
     step, args = _tiny_step(INT4, INT4, depth=depth)
     compiled = compile_for(step, *args, target=target, donate_argnums=(0, 1))
-    assert re.search(r"u8\[524288\]\{[^}]*\} parameter\(", compiled.as_text())
+    assert re.search(r"u8\[4096,128\]\{[^}]*\} parameter\(", compiled.as_text())
     return compiled.memory_analysis().peak_memory_in_bytes
 
 
