@@ -1,12 +1,14 @@
 """Where a compressed step's time goes: ResMLP-S12's full adamw step (CIFAR, B=128) compiled
-deviceless for H100, its modelled time summed per kind of kernel (each block's kernels added up over
+deviceless for H100 (or TPU v5p, ``--target``), its modelled time summed per kind of kernel (each block's kernels added up over
 the 12 blocks), one column per storage format of every dW residual, beside dense (``int8-fused`` / ``int4-fused``:
 the 1 x 128 formats through ``backend="fused"``, whose GEMMs write and read the codes).
 
 A kernel's kind is its module and op from XLA's metadata (``block*/fc1/reduce_max``), prefixed
 ``GEMM`` where it is a GEMM (a Triton or cuBLAS call, or over 0.1 GFLOP) and ``bwd`` where it runs
 in the backward pass: so a format's extra passes (scales, quantize, dequantize) show as their own
-rows. ``--triton-gemm off`` compiles cuBLAS GEMMs (the instrument of RESULTS 10-13).
+rows. ``--triton-gemm off`` compiles cuBLAS GEMMs (the instrument of RESULTS 10-13). The kinds'
+times are the roofline's (``bsr_jax.measure.roofline``); on TPU v5p the table adds XLA:TPU's own
+modelled step beside its sum.
 
     python -m benchmarks.memory.kernel_account --formats dense int8 int8-rows int4 --triton-gemm auto off
 
@@ -60,26 +62,31 @@ def kind(kernel: roofline.Kernel) -> str:
     return f"{'GEMM ' if gemm else ''}{'bwd' if 'transpose' in op else 'fwd'} {where}"
 
 
-def account(fmt: str, triton_gemm: bool | None) -> dict:
+def account(fmt: str, triton_gemm: bool | None, target: str = "h100") -> dict:
     step, args = step_args(s12(FORMATS[fmt]), (128, 32, 32, 3), 10)
-    program = compiled.compile_for(step, *args, target="h100", donate_argnums=(0, 1), triton_gemm=triton_gemm)
+    program = compiled.compile_for(step, *args, target=target, donate_argnums=(0, 1), triton_gemm=triton_gemm)
     text = program.as_text()
-    model = roofline.roofline(text, "h100")
+    model = roofline.roofline(text, target)
+    cost = program.cost_analysis() or {}
+    xla_seconds = (cost[0] if isinstance(cost, list) else cost).get("optimal_seconds")
     us, mib = collections.Counter(), collections.Counter()
     for kernel in model.kernels:
         us[kind(kernel)] += kernel.seconds * 1e6
         mib[kind(kernel)] += kernel.bytes / MIB
-    return dict(format=fmt, triton_gemm=compiled.uses_triton_gemm(text), peak_mib=program.memory_analysis().peak_memory_in_bytes / MIB,
-                modelled_us=model.seconds * 1e6, kernels=len(model.kernels), us=dict(us), mib=dict(mib))  # fmt: skip
+    return dict(format=fmt, target=target, triton_gemm=compiled.uses_triton_gemm(text), peak_mib=program.memory_analysis().peak_memory_in_bytes / MIB,
+                modelled_us=model.seconds * 1e6, xla_us=xla_seconds * 1e6 if xla_seconds and xla_seconds > 0 else None,
+                kernels=len(model.kernels), us=dict(us), mib=dict(mib))  # fmt: skip
 
 
 def table(rows: list[dict], top: int) -> str:
-    cols = [f"{r['format']} {'Triton' if r['triton_gemm'] else 'cuBLAS'}" for r in rows]
+    cols = [f"{r['format']} {'TPU v5p' if r.get('target') == 'tpu-v5p' else 'Triton' if r['triton_gemm'] else 'cuBLAS'}" for r in rows]
     kinds = sorted({k for r in rows for k in r["us"]}, key=lambda k: -max(r["us"].get(k, 0) - rows[0]["us"].get(k, 0) for r in rows))
     lines = ["| kernel kind (summed over blocks), modelled us | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(rows)]
     lines += [f"| {k} | " + " | ".join(f"{r['us'].get(k, 0):.0f}" for r in rows) + " |" for k in kinds[:top]]
     lines.append("| everything else | " + " | ".join(f"{sum(v for k, v in r['us'].items() if k not in kinds[:top]):.0f}" for r in rows) + " |")
     lines.append("| **modelled step** | " + " | ".join(f"**{r['modelled_us']:.0f}**" for r in rows) + " |")
+    if any(r.get("xla_us") for r in rows):
+        lines.append("| XLA:TPU's modelled step | " + " | ".join(f"{r['xla_us']:.0f}" if r.get("xla_us") else "-" for r in rows) + " |")
     lines.append("| kernels | " + " | ".join(str(r["kernels"]) for r in rows) + " |")
     lines.append("| compiled peak MiB | " + " | ".join(f"{r['peak_mib']:.0f}" for r in rows) + " |")
     return "\n".join(lines)
@@ -89,14 +96,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["dense", "int8", "int8-rows", "int4"])
     parser.add_argument("--triton-gemm", nargs="+", choices=list(TRITON), default=["auto"])
+    parser.add_argument("--target", choices=["h100", "tpu-v5p"], default="h100", help="tpu-v5p: --triton-gemm does not apply")
     parser.add_argument("--top", type=int, default=16, help="kinds shown: those whose time grows most over the first format's")
     parser.add_argument("--out", default="benchmarks/results/kernel_account.json")
     args = parser.parse_args(argv)
     meta, rows = run_metadata(), []
-    for triton in args.triton_gemm:
+    for triton in args.triton_gemm if args.target == "h100" else ["auto"]:
         for fmt in args.formats:
-            print(f"{fmt} triton_gemm={triton} ...", file=sys.stderr, flush=True)
-            rows.append(account(fmt, TRITON[triton]) | {"meta": {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}})
+            print(f"{fmt} {args.target} triton_gemm={triton} ...", file=sys.stderr, flush=True)
+            rows.append(account(fmt, TRITON[triton], args.target) | {"meta": {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}})
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
     print(table(rows, args.top))
