@@ -23,9 +23,9 @@ import jax
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from bsr_jax.core import platforms
 from bsr_jax.core.names import RESIDUAL_NAME
 
-LANES = 128  # XLA:TPU's minor tile
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -47,7 +47,7 @@ class Stored:
     @classmethod
     def of(cls, residual: Any) -> Stored:
         leaves, treedef = jax.tree.flatten(residual)
-        kept = tuple(a if a.ndim and a.shape[-1] % LANES == 0 else a.reshape(-1) for a in leaves)
+        kept = tuple(a if a.ndim and a.shape[-1] % platforms.TPU_LANES == 0 else a.reshape(-1) for a in leaves)
         return cls(kept, (treedef, tuple(a.shape for a in leaves)))
 
     def restore(self) -> Any:
