@@ -71,6 +71,11 @@ class CommonSettings(Settings):
         # Several bad settings: the error names the first in --help's order.
         settings.check(self, {name: checks[name] for name in self.LAYOUT if name in checks})
 
+    def _fused_format(self) -> bool:
+        """Whether the settings ask for the format the fused kernels write (bsr_jax.backends.fused)."""
+        return (self.block == (1, 128) and self.sparsity == 0 and self.storage_dtype in ("int8", "int4")
+                and self.rounding == "nearest" and not self.stochastic)  # fmt: skip
+
     def checks(self) -> dict[str, tuple[bool, str]]:
         """``settings.check``'s ``{field: (ok, allowed)}`` of the shared fields; a trainer adds its
         own to these and may narrow one (min_lr has none here: the trainers bound it differently)."""
@@ -84,7 +89,10 @@ class CommonSettings(Settings):
             "block": (all(side >= 1 for side in _sides(self.block)), "a side >= 1 or ROWSxCOLUMNS with both >= 1"),
             "criterion": (self.criterion in CRITERIA, f"one of {CRITERIA}"),
             "selection": (self.selection in SELECTIONS, f"one of {SELECTIONS}"),
-            "backend": (self.backend in (None, *BACKENDS), f"None or one of {BACKENDS}"),
+            "backend": (
+                self.backend in (None, *BACKENDS) and (self.backend != "fused" or self._fused_format()),
+                f"None or one of {BACKENDS}; 'fused' needs --block 1x128 --sparsity 0 --storage-dtype int8 or int4 and --rounding nearest",
+            ),
             "storage_dtype": (self.storage_dtype in (None, *STORAGE_DTYPES), f"None or one of {STORAGE_DTYPES}"),
             "rounding": (
                 self.rounding == "nearest" or (self.rounding in ROUNDINGS and self.storage_dtype in STOCHASTIC_ROUNDING_DTYPES),
@@ -116,7 +124,8 @@ HELP = {
     "dtype": "computation dtype (params and optimizer state stay float32)",
     "criterion": "block magnitude used for ranking",
     "selection": "'global': largest blocks of the whole tensor; 'column': same number per block-column",
-    "backend": "dW backend (cpu, xla, pallas, reference); default: $BSR_JAX_BACKEND or the platform's",
+    "backend": "dW backend (cpu, xla, pallas, reference; fused: the forward and dW GEMMs write and read 1x128 int8/int4 codes, "
+    "compiled on a GPU, interpreted on the CPU: for tests); default: $BSR_JAX_BACKEND or the platform's",
     "storage_dtype": f"store kept blocks in lower precision ({', '.join(STORAGE_DTYPES)}), dequantized in the backward pass",
     "rounding": "rounding of int8/int4 kept blocks: 'stochastic' is unbiased (draws from the run's pruning keys)",
     "stochastic": "sample kept blocks with probability by magnitude and rescale them (unbiased weight gradients)",

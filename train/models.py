@@ -276,4 +276,4 @@ def _folded(paths: list[str]) -> str:
 def dense_counterpart(config: TrainConfig) -> TrainConfig:
     """``config`` with nothing pruned, compressed or recomputed: the baseline its residual memory is compared to."""
     return dataclasses.replace(config, sparsity=0.0, layer_sparsity=(), storage_dtype=None, rounding="nearest", stochastic=False,
-                               compression=None, dx=None, remat=False)  # fmt: skip
+                               compression=None, dx=None, remat=False, backend=None)  # fmt: skip

@@ -28,7 +28,7 @@ DX_FORMATS = ("int8", "int4")  # bsr_jax.ops.dx.DX_FORMATS
 PLAN_TARGETS = ("h100", "tpu-v5p")  # bsr_jax.measure.compiled.DEVICELESS_TARGETS
 ROUNDINGS = ("nearest", "stochastic")
 STOCHASTIC_ROUNDING_DTYPES = ("int8", "int4")
-BACKENDS = ("auto", "cpu", "xla", "pallas", "reference")
+BACKENDS = ("auto", "cpu", "xla", "pallas", "reference", "fused")
 # What a resumed run may change: where it stops, where its data and logs are, how it computes
 # dW (all backends agree to float rounding). --epochs also stretches the learning-rate schedule.
 RESUME_OVERRIDES = ("steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch_size",

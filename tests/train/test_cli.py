@@ -55,8 +55,7 @@ def test_option_lists_match_the_library_and_the_models():
     assert set(config_lib.SELECTIONS) == set(bsr_format.SELECTIONS)
     assert set(config_lib.ROUNDINGS) == set(bsr_format.ROUNDINGS)
     assert set(config_lib.STOCHASTIC_ROUNDING_DTYPES) == set(bsr_format.STOCHASTIC_ROUNDING_DTYPES)
-    # "fused" runs 1 x 128 blocks only, which the trainers' square --block cannot ask for.
-    assert set(config_lib.BACKENDS) == set(backends.BACKENDS) - {"fused"}
+    assert set(config_lib.BACKENDS) == set(backends.BACKENDS)
 
 
 def test_the_cli_modules_do_not_import_jax():
@@ -139,9 +138,12 @@ def test_bad_pruning_extension_flags(flags, message, capsys):
 def test_bad_flag_values_exit_with_one_line_naming_the_flag(capsys):
     for flags, message in (
         (["--sparsity", "1.5"], "train.cifar: argument --sparsity: sparsity must be in [0, 1), got 1.5 (see --help)"),
-        (["--block", "0"], "train.cifar: argument --block: block must be >= 1, got 0 (see --help)"),
+        (["--block", "0"], "train.cifar: argument --block: block must be a side >= 1 or ROWSxCOLUMNS with both >= 1, got 0 (see --help)"),
+        (["--backend", "fused", "--storage-dtype", "int4"], "train.cifar: argument --backend: backend must be None or one of "
+         "('auto', 'cpu', 'xla', 'pallas', 'reference', 'fused'); 'fused' needs --block 1x128 --sparsity 0 --storage-dtype int8 or int4 "
+         "and --rounding nearest, got 'fused' (see --help)"),
         (["--backend", "gpu"], "train.cifar: argument --backend: invalid choice: 'gpu' (choose from 'auto', 'cpu', "
-                               "'xla', 'pallas', 'reference') (see --help)"),
+                               "'xla', 'pallas', 'reference', 'fused') (see --help)"),
     ):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, flags)
@@ -161,6 +163,17 @@ def test_remat_flag_reaches_the_blocks_with_the_policy_that_keeps_compressed_res
     assert compressed.remat and compressed.remat_policy is not None
     assert compressed.remat_policy.__code__ is bsr_jax.remat_policy().__code__
     assert create_model(parse(), 10).remat is False and dense_counterpart(parse("--remat")).remat is False
+
+
+def test_the_fused_backend_takes_its_format_and_reaches_the_layers():
+    from train.models import create_model, dense_counterpart
+
+    flags = ["--backend", "fused", "--block", "1x128", "--sparsity", "0", "--storage-dtype", "int4"]
+    config = config_lib.parse("train.cifar", "doc", CIFAR_DEFAULTS, config_lib.DATASETS, flags)[0]
+    assert (config.backend, config.block) == ("fused", (1, 128))
+    assert dense_counterpart(config).backend is None  # the baseline compresses nothing, so no fused format
+    model = create_model(config, 10)
+    assert model.dense.keywords["backend"] == "fused" and model.dense.keywords["pruning"].block == (1, 128)
 
 
 def _saved_run(workdir, **fields) -> TrainConfig:
