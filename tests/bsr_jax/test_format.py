@@ -164,3 +164,14 @@ def test_window_gather_for_tpu_keeps_the_same_blocks():
     xp = jax.random.normal(jax.random.key(0), (48, 40))
     rows, cols = jnp.array([0, 2, 1, 1, 2], jnp.int16), jnp.array([0, 0, 3, 4, 4])
     chex.assert_trees_all_equal(_gather_windows(xp, rows, cols, block=(16, 8)), _gather_from_view(xp, rows, cols, block=(16, 8)))
+
+
+def test_from_dense_inlines_under_a_trace_and_is_one_program_eagerly():
+    """Traced (a layer's forward), its ops are the caller's, no nested jit: XLA:TPU kept top-k's
+    8 x 128 blocks at a higher peak through the nested call (test_compiled, -m slow)."""
+    x = jnp.ones((64, 256), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x: from_dense(x, 0.5, (8, 128)).values)(x)
+    nested = [eqn.params.get("name") for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name in ("jit", "pjit")]
+    assert "quantize_blocks" in nested and not any("from_dense" in name for name in nested), nested
+    eager = from_dense(x, 0.5, (8, 128))
+    chex.assert_trees_all_equal(eager.to_dense(), jax.jit(lambda x: from_dense(x, 0.5, (8, 128)).to_dense())(x))
