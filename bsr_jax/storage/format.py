@@ -344,6 +344,7 @@ def from_dense(
     # alone). Under the caller's trace: its ops inline as written, not a nested jit call, through
     # which XLA:TPU kept a tiny ResMLP's top-k 8 x 128 blocks at 0.97 of the dense step's peak
     # (0.79 inlined; tests/bsr_jax/test_compiled.py, -m slow).
-    build = _from_dense if isinstance(x, jax.core.Tracer) else _from_dense_jitted
+    traced = any(isinstance(a, jax.core.Tracer) for a in (x, key, rounding_key))
+    build = _from_dense if traced else _from_dense_jitted
     return build(x, sparsity, block, criterion=criterion, selection=selection, storage_dtype=storage_dtype, key=key,
                  rounding_key=rounding_key)
