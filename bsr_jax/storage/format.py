@@ -249,7 +249,7 @@ def block_magnitudes(x: jax.Array, block: tuple[int, int], criterion: Criterion 
     return jnp.where(jnp.isnan(mags), jnp.inf, mags)
 
 
-def _from_dense(
+def from_dense(
     x: jax.Array,
     sparsity: float,
     block: BlockSpec,
@@ -260,7 +260,32 @@ def _from_dense(
     key: jax.Array | None = None,
     rounding_key: jax.Array | None = None,
 ) -> BlockSparse:
-    """``from_dense`` (its docstring), traced where it is called."""
+    """Keep the largest blocks of a 2-D float array ``x`` of shape ``(M, K)``.
+
+    ``selection="global"`` keeps the top ``capacity_for(...)`` blocks of the whole matrix (the
+    paper's choice); ``"column"`` keeps the same number in every block-column, which balances
+    kernel work. M and K need not divide the block: the matrix is zero-padded and padding blocks
+    rank last. A block larger than the matrix is clamped to it (``(min(bm, M), min(bk, K))``).
+    Ties are broken towards lower indices (as ``lax.top_k`` does). Runs under jit: the capacity
+    is a static function of ``x.shape``, ``block`` and ``sparsity``. When the capacity is every
+    block (e.g. ``sparsity=0``), nothing is ranked and no indices are stored (``is_full``).
+
+    ``key`` switches to stochastic selection by priority sampling (Duffield, Lund & Thorup 2007):
+    block i with magnitude ``w_i`` (L2 norm or L1 sum) gets priority ``w_i / u_i``, ``u_i ~ U(0, 1]``;
+    the top-capacity priorities are kept and scaled by ``max(w_i, tau) / w_i``, ``tau`` being the
+    next priority. Then ``E[to_dense()] = x`` exactly, so dW is unbiased, at the same capacity.
+
+    ``storage_dtype`` stores kept values in low precision with per-block scales
+    (``bsr_jax.storage.quantize``), rounded stochastically (unbiased) with ``rounding_key``; ``to_dense``
+    and the backward pass dequantize.
+    """
+    if not any(isinstance(a, jax.core.Tracer) for a in (x, key, rounding_key)):
+        # Called on concrete arrays: one jitted program (not some 30 ops, each compiled and
+        # dispatched alone). Under the caller's trace its ops inline as written, not a nested jit
+        # call, through which XLA:TPU kept a tiny ResMLP's top-k 8 x 128 blocks at 0.97 of the dense
+        # step's peak (0.79 inlined; tests/bsr_jax/test_compiled.py, -m slow).
+        return _from_dense_jitted(x, sparsity, block, criterion=criterion, selection=selection, storage_dtype=storage_dtype, key=key,
+                                  rounding_key=rounding_key)  # fmt: skip
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -307,44 +332,4 @@ def _from_dense(
     )
 
 
-_from_dense_jitted = jax.jit(_from_dense, static_argnames=("sparsity", "block", "criterion", "selection", "storage_dtype"))
-
-
-def from_dense(
-    x: jax.Array,
-    sparsity: float,
-    block: BlockSpec,
-    *,
-    criterion: Criterion = "l2",
-    selection: Selection = "global",
-    storage_dtype: StorageDtype | None = None,
-    key: jax.Array | None = None,
-    rounding_key: jax.Array | None = None,
-) -> BlockSparse:
-    """Keep the largest blocks of a 2-D float array ``x`` of shape ``(M, K)``.
-
-    ``selection="global"`` keeps the top ``capacity_for(...)`` blocks of the whole matrix (the
-    paper's choice); ``"column"`` keeps the same number in every block-column, which balances
-    kernel work. M and K need not divide the block: the matrix is zero-padded and padding blocks
-    rank last. A block larger than the matrix is clamped to it (``(min(bm, M), min(bk, K))``).
-    Ties are broken towards lower indices (as ``lax.top_k`` does). Runs under jit: the capacity
-    is a static function of ``x.shape``, ``block`` and ``sparsity``. When the capacity is every
-    block (e.g. ``sparsity=0``), nothing is ranked and no indices are stored (``is_full``).
-
-    ``key`` switches to stochastic selection by priority sampling (Duffield, Lund & Thorup 2007):
-    block i with magnitude ``w_i`` (L2 norm or L1 sum) gets priority ``w_i / u_i``, ``u_i ~ U(0, 1]``;
-    the top-capacity priorities are kept and scaled by ``max(w_i, tau) / w_i``, ``tau`` being the
-    next priority. Then ``E[to_dense()] = x`` exactly, so dW is unbiased, at the same capacity.
-
-    ``storage_dtype`` stores kept values in low precision with per-block scales
-    (``bsr_jax.storage.quantize``), rounded stochastically (unbiased) with ``rounding_key``; ``to_dense``
-    and the backward pass dequantize.
-    """
-    # Called on concrete arrays: one jitted program (not some 30 ops, each compiled and dispatched
-    # alone). Under the caller's trace: its ops inline as written, not a nested jit call, through
-    # which XLA:TPU kept a tiny ResMLP's top-k 8 x 128 blocks at 0.97 of the dense step's peak
-    # (0.79 inlined; tests/bsr_jax/test_compiled.py, -m slow).
-    traced = any(isinstance(a, jax.core.Tracer) for a in (x, key, rounding_key))
-    build = _from_dense if traced else _from_dense_jitted
-    return build(x, sparsity, block, criterion=criterion, selection=selection, storage_dtype=storage_dtype, key=key,
-                 rounding_key=rounding_key)
+_from_dense_jitted = jax.jit(from_dense, static_argnames=("sparsity", "block", "criterion", "selection", "storage_dtype"))
