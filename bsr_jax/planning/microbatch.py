@@ -66,10 +66,10 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
     refusals: list[ValueError] = []
 
-    def at(k: int, options: list[str] | None = None) -> Plan | None:
-        """The plan at ``k`` micro-batches (``options``: only those, the rest kept, one candidate
-        verified), or None where nothing fits."""
-        narrowed = {} if options is None else dict(options=options, rest_options=["keep"], verify=1, loss_chunk=None)
+    def at(k: int, allowed: list[str] | None = None) -> Plan | None:
+        """The plan at ``k`` micro-batches (``allowed``: only those options, the rest kept, one
+        candidate verified), or None where nothing fits."""
+        narrowed = {} if allowed is None else dict(options=allowed, rest_options=["keep"], verify=1, loss_chunk=None)
         try:
             return dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense)
         except ValueError as error:

@@ -153,11 +153,11 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         the dense step at this count), takes its gradient as the mean over this many equal slices
         of the batch, one at a time (``bsr_jax.accumulated_value_and_grad``: exact up to float
         summation order); it must divide the batch. ``Plan.microbatches`` says it for the user's
-        step. Default 1: the batch at once. ``"auto"``: the faster of the plan at 1 and the dense
-        step at the fewest micro-batches (2, 4 or 8, dividing the batch) that fits the budget, a
-        fractional budget being of the whole batch's dense step (each count tried costs one
-        compile; the plan's ``dense`` stays the whole batch's); where neither fits, remat on every
-        block at the fewest of those counts that fits it.
+        step. Default 1: the batch at once. ``"auto"``: the fastest of the plan at 1 and, where the
+        dense step does not fit there, plans of keep or remat per block at 2, 4, 8 micro-batches
+        (dividing the batch) up to the fewest count where one fits, then the dense step alone at
+        more, up to the first count where it fits (docs/planner.md); a fractional budget is of the
+        whole batch's dense step, and the plan's ``dense`` stays that step.
       value_and_grad: (linen, one micro-batch) how the step takes its gradient, as the user's step
         does: ``value_and_grad(loss) -> (params, *batch) -> (loss value, grads)``, with ``loss(params,
         *batch) -> scalar``; default ``jax.value_and_grad``. For a step that is not plain autodiff
