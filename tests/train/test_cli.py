@@ -176,6 +176,17 @@ def test_the_fused_backend_takes_its_format_and_reaches_the_layers():
     assert model.dense.keywords["backend"] == "fused" and model.dense.keywords["pruning"].block == (1, 128)
 
 
+@pytest.mark.parametrize("change", [{}, {"storage_dtype": "int8"}, {"rounding": "stochastic"}, {"block": 16}, {"block": (1, 64)},
+                                    {"sparsity": 0.5}, {"storage_dtype": "bfloat16"}])  # fmt: skip
+def test_the_trainers_fused_check_is_the_backends_rule(change):
+    """The settings check fused's format without importing JAX; it must say what the backend says."""
+    from bsr_jax.backends import fused
+    from train.models import config_pruning
+
+    config = dataclasses.replace(CIFAR_DEFAULTS, **({"block": (1, 128), "sparsity": 0.0, "storage_dtype": "int4"} | change))
+    assert config._fused_format() == (fused._format_error(config_pruning(config)) is None)
+
+
 def _saved_run(workdir, **fields) -> TrainConfig:
     """A config.json as a run writes it (settings and run facts; 5 steps per epoch)."""
     saved = dataclasses.replace(CIFAR_DEFAULTS, **fields)
