@@ -60,7 +60,9 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     """``plan(microbatches="auto")``: the plan at 1 against, where the dense step does not fit at 1,
     plans at 2, 4, 8 micro-batches up to the fewest where the dense step fits (more only repeat the
     same work in smaller pieces: slower): keep or remat per block (where ``options`` has it) up to
-    the fewest count where such a plan fits, the dense step alone beyond."""
+    the fewest count where such a plan fits, the dense step alone beyond. A count whose dense step
+    (the fastest step at that count: every option trades time for memory) is no faster than the
+    fastest plan found ends the search before anything else is compiled at it."""
     dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
     kind, amount = parse_budget(budget)
     limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
@@ -84,6 +86,8 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
         # At k > 1 only keep or remat per block: every option at every count would multiply the search.
         narrowed = ["keep", *(["remat"] if "remat" in options else [])]
         for k in (k for k in (2, 4, 8) if divides(k, batch)):
+            if found and not faster_than(plan_at, k, min(p.modelled_seconds for p in found)):
+                break
             if (p := at(k, narrowed)) is None:
                 continue
             found.append(p)
@@ -93,6 +97,18 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     if not found:
         raise refusals[0]
     return min(found, key=lambda p: p.modelled_seconds)
+
+
+def faster_than(plan_at: Callable[..., Plan], k: int, seconds: float) -> bool:
+    """Whether the dense step at ``k`` micro-batches is modelled faster than ``seconds`` (one
+    compile, kept in the shared cache for the search at ``k``). A step XLA refuses to compile
+    (more than the device holds) is searched on."""
+    try:
+        return plan_at(budget=1.0, microbatches=k).modelled_seconds < seconds
+    except ValueError as error:
+        if "does not compile" not in str(error):
+            raise
+        return True
 
 
 def divides(k: int, batch: Any) -> bool:

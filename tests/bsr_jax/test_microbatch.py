@@ -121,3 +121,26 @@ def test_auto_takes_remat_at_fewer_micro_batches_where_it_is_faster_than_the_den
                           target="h100", progress=False, rest_options=["keep"], cache=cache)  # fmt: skip
     assert chosen.microbatches == 2 and chosen.peak <= budget and chosen.modelled_seconds <= remat2.seconds
     assert "remat" in chosen.choices.values()
+
+
+@pytest.mark.slow
+def test_auto_stops_at_a_count_whose_dense_step_is_slower_than_the_plan_found():
+    """The dense step is the fastest step at its count: where the dense step at 2 micro-batches is
+    slower than the plan at one (remat on small blocks, whose weights each slice reads again), no
+    remat at 2 is compiled (the search used to compile remat on every block and probes there)."""
+    x, y = jax.ShapeDtypeStruct((256, 16), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.int32)
+    cache = {}
+
+    def step(k, option):  # as plan measures it, into the cache plan reads
+        family = planner.Linen(Net(), _loss, (x, y), None, None)
+        return planner.Candidates(family, {"plain": _loss}, (x, y), optax.adamw(1e-3), "h100", False, cache, microbatches=k).measure(
+            [option] * 3, "keep")  # fmt: skip
+
+    remat1, dense2 = step(1, "remat"), step(2, "keep")
+    budget = (remat1.peak + dense2.peak) // 2
+    assert remat1.peak <= budget < dense2.peak and dense2.seconds > remat1.seconds, (remat1, dense2)
+    chosen = bsr_jax.plan(Net(), _loss, x, y, budget=budget, microbatches="auto", options=["keep", "remat"], rest_options=["keep"],
+                          optimizer=optax.adamw(1e-3), target="h100", progress=False, cache=cache)  # fmt: skip
+    assert chosen.microbatches == 1 and chosen.peak <= budget
+    at_two = [choices for (scope, choices, *_) in cache if scope[4] == 2]
+    assert at_two == [("keep",) * 3], at_two
