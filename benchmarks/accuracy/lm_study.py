@@ -28,7 +28,8 @@ import sys
 import time
 
 # name -> train.lm flags. "int4" is the recommended setting (bsr_jax.rewrite.presets: every residual in
-# int4 16 x 16 blocks at sparsity 0); "stochastic" is the stochastic setting bsr_jax.rewrite.presets
+# int4 16 x 16 blocks at sparsity 0); "int4-1x128" the fused kernels' format (int4 in 1 x 128 blocks: one scale per
+# 128 columns of a token row; on the CPU the unfused path stores the same codes); "stochastic" is the stochastic setting bsr_jax.rewrite.presets
 # documents (MEASURED's all-s0.5-b16-int8-stoch: half the blocks sampled by magnitude, rescaled,
 # kept in int8); "dx8" is int4 with approximate input gradients (norms, SwiGLU, attention in int8).
 # "reordered" is the control: every layer through compress_model at sparsity 0 in f32 (exact values,
@@ -39,6 +40,7 @@ SETTINGS: dict[str, list[str]] = {
     "reordered": ["--layer-sparsity", "layer_0/*=0", "--block", "16"],
     "int8": ["--sparsity", "0", "--storage-dtype", "int8", "--block", "16"],
     "int4": ["--sparsity", "0", "--storage-dtype", "int4", "--block", "16"],
+    "int4-1x128": ["--sparsity", "0", "--storage-dtype", "int4", "--block", "1x128"],
     "topk": ["--sparsity", "0.7", "--block", "16"],
     "stochastic": ["--sparsity", "0.5", "--block", "16", "--storage-dtype", "int8", "--stochastic"],
     "dx8": ["--sparsity", "0", "--storage-dtype", "int4", "--block", "16", "--dx", "int8"],

@@ -156,7 +156,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         step. Default 1: the batch at once. ``"auto"``: the fastest of the plan at 1 and, where the
         dense step does not fit there, plans of keep or remat per block at 2, 4, 8 micro-batches
         (dividing the batch) up to the fewest count where one fits, then the dense step alone at
-        more, up to the first count where it fits (docs/planner.md); a fractional budget is of the
+        more, up to the first count where it fits or is no faster than the best found
+        (docs/planner.md); a fractional budget is of the
         whole batch's dense step, and the plan's ``dense`` stays that step.
       value_and_grad: (linen, one micro-batch) how the step takes its gradient, as the user's step
         does: ``value_and_grad(loss) -> (params, *batch) -> (loss value, grads)``, with ``loss(params,
