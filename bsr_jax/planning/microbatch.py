@@ -21,6 +21,8 @@ from bsr_jax.planning.result import Plan
 
 
 AUTO = "auto"  # plan(microbatches=AUTO): the count is searched
+# plan's arguments for the dense step alone: nothing else is lowered for a search that ends there.
+DENSE_ONLY = dict(options=["keep"], rest_options=["keep"], loss_chunk=None)
 
 
 def check_microbatches(microbatches: Any, batch: Sequence[Any], argument: str = "microbatches", auto: bool = False) -> int:
@@ -63,7 +65,7 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     the fewest count where such a plan fits, the dense step alone beyond. A count whose dense step
     (the fastest step at that count: every option trades time for memory) is no faster than the
     fastest plan found ends the search before anything else is compiled at it."""
-    dense = plan_at(budget=1.0, microbatches=1).dense  # one compile, kept in the shared cache
+    dense = plan_at(budget=1.0, microbatches=1, **DENSE_ONLY).dense  # one compile, kept in the shared cache
     kind, amount = parse_budget(budget)
     limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
     refusals: list[ValueError] = []
@@ -104,7 +106,7 @@ def faster_than(plan_at: Callable[..., Plan], k: int, seconds: float) -> bool:
     compile, kept in the shared cache for the search at ``k``). A step XLA refuses to compile
     (more than the device holds) is searched on."""
     try:
-        return plan_at(budget=1.0, microbatches=k).modelled_seconds < seconds
+        return plan_at(budget=1.0, microbatches=k, **DENSE_ONLY).modelled_seconds < seconds
     except ValueError as error:
         if "does not compile" not in str(error):
             raise

@@ -4,6 +4,7 @@ compiled candidate)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -58,7 +59,7 @@ class Plan:
     ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy;
     ``None`` where the dense step fits and nothing else was compiled); ``tried``: every candidate
     compiled, in order; ``table``: the chosen model's per-layer ``LayerTable`` (``compress_model``
-    applies it as is); ``microbatches``: how many slices of the batch the step's gradient is
+    applies it as is; its step traced when first read); ``microbatches``: how many slices of the batch the step's gradient is
     accumulated over (``bsr_jax.accumulated_value_and_grad(loss, microbatches)`` in the user's
     step); ``mesh``: the axes (name -> size) of the mesh the arguments were placed on, where they
     were: then ``peak``, ``budget`` and the ``Measured`` peaks are one device's. Its ``str`` is a
@@ -76,9 +77,15 @@ class Plan:
     remat: Measured | None
     tried: tuple[Measured, ...]
     compiled: CompiledStep = dataclasses.field(repr=False)
-    table: LayerTable = dataclasses.field(default=LayerTable(()), repr=False)
+    # Traces the chosen step: read only through ``table`` (auto's plans at other counts never are).
+    layers: Callable[[], LayerTable] = dataclasses.field(default=lambda: LayerTable(()), repr=False, compare=False)
     microbatches: int = 1
     mesh: Mapping[str, int] | None = None
+
+    @functools.cached_property
+    def table(self) -> LayerTable:
+        """The chosen model's per-layer ``LayerTable``, traced (not compiled) when first read."""
+        return self.layers()
 
     @property
     def label(self) -> str:

@@ -60,7 +60,7 @@ from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 from bsr_jax.planning.result import Measured, Plan
-from bsr_jax.rewrite.rules import layer_table
+from bsr_jax.rewrite.rules import LayerTable, layer_table
 
 
 def _check_loss(loss_fn: Callable[..., jax.Array], family: type, batch: Sequence[Any]) -> None:
@@ -240,8 +240,10 @@ def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[
     # only once it does not fit.
     only_dense = len(names) == 1 and len(variants) == 1  # options=["keep"], rest kept, no chunked loss
     measuring = [] if only_dense else [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
+    cold = bool(search.lower([(("keep",) * n, "keep", "plain")]))  # the dense step is not compiled yet
     search.prefetch([(("keep",) * n, "keep", "plain")], breakdown=True)
-    search.lower(measuring)
+    if cold:  # nothing to overlap with where it is: lowered when needed (where the dense step fits, never)
+        search.lower(measuring)
     dense = search.measure(["keep"] * n, "keep", breakdown=True)  # the cost model's reference where it does not fit
     if not dense.compiled and kind == "fraction":
         raise ValueError(f"plan: the dense step does not compile on {target} (XLA needs at least {dense.peak / 2**20:,.0f} MiB, more than "
@@ -350,13 +352,17 @@ def _plan(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[..
     (chosen, compiled), (choices, rest, loss) = search.cache[key], key
     dense, remat = search.current(dense), remat and search.current(remat)
     model = family.assemble(choices, rest)
-    # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
-    with search.on_mesh():
-        step = family.step(model, search.optimizer, loss_fns[loss], search.microbatches, search.value_and_grad)
-        table = layer_table(step, family.state, search.opt_state, *search.batch)
+    optimizer, microbatches, value_and_grad, opt_state, batch, on_mesh = (search.optimizer, search.microbatches, search.value_and_grad,
+                                                                          search.opt_state, search.batch, search.on_mesh)  # fmt: skip
+
+    def layers() -> LayerTable:
+        # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
+        with on_mesh():
+            return layer_table(family.step(model, optimizer, loss_fns[loss], microbatches, value_and_grad), family.state, opt_state, *batch)
+
     return Plan(model=model, loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
-                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, table=table,
-                microbatches=search.microbatches, mesh=dict(search.mesh.shape) if search.mesh else None)  # fmt: skip
+                target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, layers=layers,
+                microbatches=microbatches, mesh=dict(search.mesh.shape) if search.mesh else None)  # fmt: skip
 
 
 __all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]

@@ -144,3 +144,20 @@ def test_auto_stops_at_a_count_whose_dense_step_is_slower_than_the_plan_found():
     assert chosen.microbatches == 1 and chosen.peak <= budget
     at_two = [choices for (scope, choices, *_) in cache if scope[4] == 2]
     assert at_two == [("keep",) * 3], at_two
+
+
+def test_auto_lowers_and_traces_only_what_its_search_uses(monkeypatch):
+    """Lowering and tracing are Python and cost as much as a compile on 2 cores: where the dense
+    step fits, "auto" lowers the dense step and remat on every block (plan's check that the loss
+    applies its module) and nothing else, and traces the per-layer table only when it is read."""
+    from bsr_jax.planning import candidates, search
+
+    lowered, traced = [], []
+    lower_for, layer_table = candidates.lower_for, search.layer_table
+    monkeypatch.setattr(candidates, "lower_for", lambda *a, **k: lowered.append(1) or lower_for(*a, **k))
+    monkeypatch.setattr(search, "layer_table", lambda *a, **k: traced.append(1) or layer_table(*a, **k))
+    chosen = bsr_jax.plan(Net(), _loss, X, Y, budget=1.0, microbatches="auto", options=["keep", "remat", "int8"], optimizer=optax.adamw(1e-3),
+                          target="h100", progress=False)  # fmt: skip
+    assert chosen.remat is None and set(chosen.choices.values()) == {"keep"}
+    assert (len(lowered), len(traced)) == (2, 0)
+    assert chosen.table == chosen.table and len(traced) == 1  # traced once, when first read
