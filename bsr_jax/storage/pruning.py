@@ -4,6 +4,7 @@ gradient (sparsity, block, selection, storage dtype, rounding), checked once whe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -105,9 +106,7 @@ class Pruning:
 
     def stored_shape(self, x: jax.Array | jax.ShapeDtypeStruct) -> BlockSparse:
         """The ``BlockSparse`` that ``compress`` makes of ``x (..., K)``, as shapes (nothing runs)."""
-        flat = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
-        options = dict(criterion=self.criterion, selection=self.selection, storage_dtype=self.storage_dtype)
-        return jax.eval_shape(lambda a: from_dense(a, self.sparsity, self.block, **options), flat)
+        return _stored_shape(self, (math.prod(x.shape[:-1]), x.shape[-1]), jnp.dtype(x.dtype))
 
     def saves_memory(self, x: jax.Array | jax.ShapeDtypeStruct) -> bool:
         """Whether ``compress(x)`` holds fewer bytes than ``x``. Where it does not (sparsity 0
@@ -167,3 +166,11 @@ def as_pruning(pruning: Pruning | None, options: dict[str, Any]) -> Pruning:
 def check_key(pruning: Pruning, key: jax.Array | None) -> None:
     if key is not None and not (pruning.stochastic or pruning.rounding == "stochastic"):
         raise ValueError("key is only used with stochastic=True or rounding='stochastic'")
+
+
+# Asked of every compressed layer each time a step is traced (the planner traces one per
+# candidate): the trace of from_dense it takes costs as much as the layer's own.
+@functools.lru_cache(maxsize=4096)
+def _stored_shape(pruning: Pruning, shape: tuple[int, int], dtype: jnp.dtype) -> BlockSparse:
+    options = dict(criterion=pruning.criterion, selection=pruning.selection, storage_dtype=pruning.storage_dtype)
+    return jax.eval_shape(lambda a: from_dense(a, pruning.sparsity, pruning.block, **options), jax.ShapeDtypeStruct(shape, dtype))
