@@ -29,7 +29,7 @@ from bsr_jax.measure.report import ResidualReport, residual_report
 from bsr_jax.measure.compiled import CompiledStep, compiled_memory
 from bsr_jax.planning import search as planner
 from bsr_jax.planning.microbatch import accumulated_value_and_grad
-from bsr_jax.planning.search import Plan, plan
+from bsr_jax.planning.search import NoFit, Plan, plan
 from bsr_jax.measure.memory import CompiledMemory, ResidualBytes, program_order_peak, remat_policy, residual_bytes
 # Modules earlier docs cited as bsr_jax.compiled.target_mesh, bsr_jax.lean.lean_neighbours, ...:
 # still reachable under those names (their homes are now the parts above).
@@ -45,6 +45,7 @@ __all__ = [
     "chunked_head_loss",
     "head_loss",
     "plan",
+    "NoFit",
     "Plan",
     "accumulated_value_and_grad",
     "planner",

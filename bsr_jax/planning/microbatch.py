@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from bsr_jax.planning.options import parse_budget
-from bsr_jax.planning.result import Plan
+from bsr_jax.planning.result import NoFit, Plan
 
 
 AUTO = "auto"  # plan(microbatches=AUTO): the count is searched
@@ -65,10 +65,11 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     the fewest count where such a plan fits, the dense step alone beyond. A count whose dense step
     (the fastest step at that count: every option trades time for memory) is no faster than the
     fastest plan found ends the search before anything else is compiled at it."""
-    dense = plan_at(budget=1.0, microbatches=1, **DENSE_ONLY).dense  # one compile, kept in the shared cache
+    dense_plan = plan_at(budget=1.0, microbatches=1, **DENSE_ONLY)  # one compile, kept in the shared cache
+    dense = dense_plan.dense
     kind, amount = parse_budget(budget)
     limit = int(amount * dense.peak) if kind == "fraction" else int(amount)
-    refusals: list[ValueError] = []
+    refusals: list[NoFit] = []
 
     def at(k: int, allowed: list[str] | None = None) -> Plan | None:
         """The plan at ``k`` micro-batches (``allowed``: only those options, the rest kept, one
@@ -76,9 +77,7 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
         narrowed = {} if allowed is None else dict(options=allowed, rest_options=["keep"], verify=1, loss_chunk=None)
         try:
             return dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense)
-        except ValueError as error:
-            if "no candidate fits" not in str(error):
-                raise
+        except NoFit as error:
             refusals.append(error)
             return None
 
@@ -96,8 +95,13 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
             if p.remat is None:
                 break  # the dense step fits at k
             narrowed = ["keep"]  # a plan fits at k: at more, only the dense step (without remat's recomputation) may be faster
-    if not found:
-        raise refusals[0]
+    if not found:  # the least peak of every count's search, against the whole batch's dense step
+        least = min(refusals, key=lambda error: error.smallest.peak)
+        counts = ", ".join(str(error.microbatches) for error in refusals)
+        raise NoFit(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {dense_plan.target} at {counts} micro-batch(es); the "
+                    f"smallest compiled peak was {least.smallest.peak / 2**20:,.0f} MiB ({least.smallest.peak / dense.peak:.2f} of the whole "
+                    f"batch's dense step), with {least.smallest.label} at {least.microbatches} micro-batch(es)", least.smallest,
+                    least.microbatches) from least  # fmt: skip
     return min(found, key=lambda p: p.modelled_seconds)
 
 

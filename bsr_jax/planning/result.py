@@ -48,6 +48,15 @@ class Measured:
         return {name: OPTIONS[name].approximation for name in dict.fromkeys(names) if not OPTIONS[name].exact}
 
 
+class NoFit(ValueError):
+    """``plan`` found no candidate within the budget; ``smallest``: the compiled candidate of least
+    peak, at ``microbatches`` micro-batches."""
+
+    def __init__(self, message: str, smallest: Measured, microbatches: int):
+        super().__init__(message)
+        self.smallest, self.microbatches = smallest, microbatches
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What ``plan`` chose. ``model``: a linen module with the dense parameter tree (NNX: a model

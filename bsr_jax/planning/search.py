@@ -59,7 +59,7 @@ from bsr_jax.planning.cost import CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
-from bsr_jax.planning.result import Measured, Plan
+from bsr_jax.planning.result import Measured, NoFit, Plan
 from bsr_jax.rewrite.rules import LayerTable, layer_table
 
 
@@ -175,9 +175,10 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     Raises:
       ValueError: bad ``budget``/``target``/``options``, a model with no repeated blocks (or, NNX,
         blocks stacked for ``nnx.scan``), a ``loss_fn`` that never applies the module it is given,
-        or no candidate within budget (the message names the smallest compiled peak and its
-        choices; where remat on every block, the least any option keeps, does not fit, or the
-        step's arguments alone exceed the budget, the search stops there).
+        or no candidate within budget: ``NoFit``, a ``ValueError`` whose message names the smallest
+        compiled peak and its choices (``microbatches="auto"``: the least of every count searched,
+        and that count), as does its ``smallest``; where remat on every block, the least any option
+        keeps, does not fit, or the step's arguments alone exceed the budget, the search stops there.
       TypeError: a ``loss_fn`` whose signature cannot take the call above, or (linen) a default
         ``model.init`` that fails (pass ``variables=``).
     """
@@ -252,10 +253,10 @@ def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[
                          f"budget=\"{dense.peak / 2 / 2**30:.0f}GiB\"")  # fmt: skip
     limit = amount * dense.peak if kind == "fraction" else amount
 
-    def infeasible(best: Measured, why: str = "") -> ValueError:
+    def infeasible(best: Measured, why: str = "") -> NoFit:
         of_dense = f"{best.peak / dense.peak:.2f} of dense's" if dense.compiled else "dense does not compile"
-        return ValueError(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
-                          f"was {best.peak / 2**20:,.0f} MiB ({of_dense}), with {best.label}{why}")  # fmt: skip
+        return NoFit(f"plan: no candidate fits the budget of {limit / 2**20:,.0f} MiB on {target}; the smallest compiled peak "
+                     f"was {best.peak / 2**20:,.0f} MiB ({of_dense}), with {best.label}{why}", best, search.microbatches)  # fmt: skip
 
     if dense.compiled and dense.peak <= limit:
         return _plan(family, search, loss_fns, (("keep",) * n, "keep", "plain"), limit, target, dense, None)
@@ -366,4 +367,4 @@ def _plan(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[..
                 microbatches=microbatches, mesh=dict(search.mesh.shape) if search.mesh else None)  # fmt: skip
 
 
-__all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
+__all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "NoFit", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
