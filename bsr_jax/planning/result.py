@@ -68,9 +68,9 @@ class Plan:
     ``target``; ``dense``/``remat``: the dense step and remat-per-block (JAX's default policy;
     ``None`` where the dense step fits and nothing else was compiled); ``tried``: every candidate
     compiled, in order; ``table``: the chosen model's per-layer ``LayerTable`` (``compress_model``
-    applies it as is; its step traced when first read); ``microbatches``: how many slices of the batch the step's gradient is
-    accumulated over (``bsr_jax.accumulated_value_and_grad(loss, microbatches)`` in the user's
-    step); ``mesh``: the axes (name -> size) of the mesh the arguments were placed on, where they
+    applies it as is; its step traced when first read); ``microbatches``: how many slices of the
+    batch the step's gradient is accumulated over (``bsr_jax.accumulated_value_and_grad(loss,
+    microbatches)`` in the user's step); ``mesh``: the axes (name -> size) of the mesh the arguments were placed on, where they
     were: then ``peak``, ``budget`` and the ``Measured`` peaks are one device's. Its ``str`` is a
     table marking every approximate choice with its documented error, then
     ``table``."""

@@ -217,7 +217,8 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     n = len(blocks)
     if progress:
         # Only where the search has a choice to make (microbatches="auto" asks for the dense step alone).
-        left_out = [o for o in OPTIONS if not OPTIONS[o].exact and o not in options and o not in family_type.unavailable] if len(options) > 1 else []
+        left_out = [o for o in OPTIONS if not OPTIONS[o].exact and o not in options and o not in family_type.unavailable]
+        left_out = left_out if len(options) > 1 else []
         print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}"
               + (f" (approximate ones left out: approximate=True adds {left_out})" if left_out else ""), file=sys.stderr)  # fmt: skip
     if (search.scope, ("keep",) * n, "keep", "plain") not in search.shared and search.program(["keep"] * n, "keep") == search.program(["remat"] * n, "keep"):
