@@ -57,6 +57,12 @@ class Family(Protocol):
 COMPILE_THREADS = min(2, os.cpu_count() or 1)
 
 
+def traced_on(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """Where a candidate step is traced: under ``jax.set_mesh`` of the target's mesh when there is
+    one (Explicit axes and ``bsr_jax``'s per-shard ops read it)."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
 class Candidates:
     """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
 
@@ -84,9 +90,8 @@ class Candidates:
         self.argument_bytes = placement.bytes_per_device((family.state, self.opt_state, batch))
 
     def on_mesh(self) -> contextlib.AbstractContextManager:
-        """Where the step is traced: under ``jax.set_mesh`` of the target's mesh when there is one
-        (Explicit axes and ``bsr_jax``'s per-shard ops read it)."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        """Where the step is traced: ``traced_on(self.mesh)``."""
+        return traced_on(self.mesh)
 
     def program(self, choices: Sequence[str], rest: str, loss: str = "plain") -> str:
         """The hash of the candidate's lowered step: lowering is cheap, compiling is not."""

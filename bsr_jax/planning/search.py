@@ -54,7 +54,7 @@ from bsr_jax.measure.compiled import DEVICELESS_TARGETS, check_target
 from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
 from bsr_jax.planning import placement
-from bsr_jax.planning.candidates import Candidates, Family
+from bsr_jax.planning.candidates import Candidates, Family, traced_on
 from bsr_jax.planning.cost import CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
@@ -355,17 +355,18 @@ def _plan(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[..
     (chosen, compiled), (choices, rest, loss) = search.cache[key], key
     dense, remat = search.current(dense), remat and search.current(remat)
     model = family.assemble(choices, rest)
-    optimizer, microbatches, value_and_grad, opt_state, batch, on_mesh = (search.optimizer, search.microbatches, search.value_and_grad,
-                                                                          search.opt_state, search.batch, search.on_mesh)  # fmt: skip
+    step = family.step(model, search.optimizer, loss_fns[loss], search.microbatches, search.value_and_grad)
+    # The plan keeps these, not the search (which holds every candidate's lowered program).
+    arguments, mesh = (family.state, search.opt_state, *search.batch), search.mesh
 
     def layers() -> LayerTable:
         # What each layer of the chosen step keeps: its step traced (jax.eval_shape), nothing compiled.
-        with on_mesh():
-            return layer_table(family.step(model, optimizer, loss_fns[loss], microbatches, value_and_grad), family.state, opt_state, *batch)
+        with traced_on(mesh):
+            return layer_table(step, *arguments)
 
     return Plan(model=model, loss_fn=loss_fns[loss], choices=chosen.choices, peak=chosen.peak, modelled_seconds=chosen.seconds, budget=int(limit),
                 target=target, dense=dense, remat=remat, tried=tuple(m for m, _ in search.cache.values()), compiled=compiled, layers=layers,
-                microbatches=microbatches, mesh=dict(search.mesh.shape) if search.mesh else None)  # fmt: skip
+                microbatches=search.microbatches, mesh=dict(mesh.shape) if mesh else None)  # fmt: skip
 
 
 __all__ = ["EXACT", "LOSS", "OPTIONS", "REST", "REST_OPTIONS", "NoFit", "Option", "Plan", "assemble", "find_blocks", "parse_budget", "plan"]
