@@ -75,7 +75,6 @@ class Candidates:
             self.opt_state = placement.optimizer_state_on_mesh(optimizer, family.params, self.opt_state, mesh)
         self.shared = cache if cache is not None else {}
         self.cache: dict[tuple, tuple[Measured, CompiledStep | None]] = {}  # this search's, in order (None: XLA refused it)
-        self.time_scale: float | None = None  # XLA:TPU's modelled time over the roofline's, of the first step it timed
         self.lowered: dict[tuple, tuple[str, Any]] = {}  # choices -> (the lowered program's hash, lowered)
         self.programs: dict[str, tuple[str, CompiledStep]] = {}  # the lowered program's hash -> its first label, compiled
         self.pending: dict[str, tuple[concurrent.futures.Future, bool]] = {}  # program hash -> (its compile, with breakdown)
@@ -165,24 +164,24 @@ class Candidates:
                     print(f"[plan] {len(self.cache):>3} {measured.label:<44} {measured.peak / 2**20:>10,.0f} MiB {'':>12}  not compiled: "
                           f"XLA needs at least this, more than the device holds", file=sys.stderr, flush=True)  # fmt: skip
                 return measured
-            seconds, untimed = compiled.modelled_seconds, compiled.modelled_seconds is None
-            if untimed:  # XLA:TPU's cost model cannot time some programs: the roofline's, as the steps it timed compare
-                seconds = compiled.roofline_seconds * (self.time_scale or 1.0)
-            elif compiled.roofline_seconds and self.time_scale is None:
-                self.time_scale = seconds / compiled.roofline_seconds
-                self._rescale_untimed()
+            seconds, scale = compiled.modelled_seconds, None
+            if seconds is None:  # XLA:TPU's cost model cannot time some programs: the roofline's, as a timed step like it compares
+                scale = self._time_scale(key)
+                seconds = compiled.roofline_seconds * (scale[0] if scale else 1.0)
             measured = Measured(choices_by_path, compiled.peak, seconds)
             if not same:
                 self.programs[program] = (measured.label, compiled)
             self.cache[key] = self.shared[(self.scope, *key)] = (measured, compiled)
+            if compiled.modelled_seconds is not None:
+                self._rescale_untimed()
             if self.progress:
                 # What varies in length goes last, so that every row keeps the columns.
                 how = "same program as " + same[0] if same else "compiled"
                 if predicted:
                     how += f" (predicted {predicted[0] / 2**20:,.0f} MiB, {predicted[1] * 1e3:.2f} ms)"
-                if untimed:
-                    how += (" (time: the roofline's, scaled as XLA's model timed the first step; XLA's cannot time this one)" if self.time_scale
-                            else " (time: the roofline's; XLA's model timed no step of this search)")  # fmt: skip
+                if compiled.modelled_seconds is None:
+                    how += (f" (time: the roofline's x {scale[0]:.3f}, XLA's model over the roofline on {scale[1]}; XLA's cannot time this one)"
+                            if scale else " (time: the roofline's; XLA's model timed no step like it yet)")  # fmt: skip
                 approximate = "; approximate: " + "; ".join(measured.approximations.values()) if measured.approximations else ""
                 print(f"[plan] {len(self.cache):>3} {measured.label:<44} {compiled.peak / 2**20:>10,.0f} MiB "
                       f"{seconds * 1e3:>9.2f} ms  {how}{approximate}", file=sys.stderr, flush=True)  # fmt: skip
@@ -202,12 +201,27 @@ class Candidates:
         """``measured`` as the cache holds it now (its time rescaled where XLA's model timed a later step)."""
         return next(m for m, _ in self.cache.values() if m.choices == measured.choices)
 
+    def _time_scale(self, key: tuple) -> tuple[float, str] | None:
+        """For a step XLA's model cannot time (XLA:TPU, some programs): XLA's modelled time over the
+        roofline's on the timed step most like it, and that step's name; None before any is timed.
+        Most like it: the same choices at the nearest micro-batch count, else any step at the
+        nearest count, first compiled first. The ratio grows with the count (a loop's overhead,
+        which the two models weigh differently: the 12 x 768 LM's dense step on TPU v5p, 1.24 at
+        one micro-batch, 1.31 at 2, 1.36 at 4), so a step's own count's, or the nearest one's, is used."""
+        mine = self.scope[:4] + self.scope[5:]  # the scope but its micro-batch count
+        timed = [(scope[4], tuple(rest), m, step) for (scope, *rest), (m, step) in self.shared.items()
+                 if scope[:4] + scope[5:] == mine and step is not None and step.modelled_seconds is not None and step.roofline_seconds]  # fmt: skip
+        if not timed:
+            return None
+        k, _, m, step = min(timed, key=lambda t: (t[1] != key, abs(math.log2(t[0] / self.microbatches))))
+        return step.modelled_seconds / step.roofline_seconds, m.label + (f" at {k} micro-batches" if k > 1 else "")
+
     def _rescale_untimed(self) -> None:
-        """Steps XLA's model could not time before it timed one took the roofline's time unscaled:
-        scaled now, as every later one is, so that one search compares one instrument."""
+        """Untimed steps measured before a step like them was timed: their time again, from the
+        timed step now most like each, so that one search compares one instrument."""
         for key, (m, step) in self.cache.items():
-            if step is not None and step.modelled_seconds is None:
-                self.cache[key] = self.shared[(self.scope, *key)] = (dataclasses.replace(m, seconds=step.roofline_seconds * self.time_scale), step)
+            if step is not None and step.modelled_seconds is None and (scale := self._time_scale(key)):
+                self.cache[key] = self.shared[(self.scope, *key)] = (dataclasses.replace(m, seconds=step.roofline_seconds * scale[0]), step)
 
     def smallest(self, allowed: Callable[[tuple], bool] = lambda key: True) -> Measured:
         """The candidate of least peak among those ``allowed``, compiled ones first."""
