@@ -63,6 +63,9 @@ def traced_on(mesh: Mesh | None) -> contextlib.AbstractContextManager:
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
+COUNT = 4  # the micro-batch count's place in ``Candidates.scope``
+
+
 class Candidates:
     """Lowers and compiles candidates (cached by their choices) and remembers them in order."""
 
@@ -82,11 +85,15 @@ class Candidates:
         # A shared cache's entries hold for one step only: the target, the blocks and the shapes.
         leaves, structure = jax.tree.flatten((family.state, batch))
         placed = tuple(str(getattr(a, "sharding", None) and a.sharding.spec) for a in leaves) if mesh else ()
-        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches,
+        self.scope = (target, tuple(family.blocks), str(structure), tuple((a.shape, str(a.dtype)) for a in leaves), microbatches,  # at COUNT
                       value_and_grad and getattr(value_and_grad, "__qualname__", repr(value_and_grad)),
                       mesh and tuple(mesh.shape.items()), placed)  # fmt: skip
         # Every candidate holds its arguments (their shards, over a mesh) at once: a floor under any compiled peak.
         self.argument_bytes = placement.bytes_per_device((family.state, self.opt_state, batch))
+
+    def at_count(self, microbatches: int) -> tuple:
+        """``scope`` of the same step at another micro-batch count."""
+        return self.scope[:COUNT] + (microbatches,) + self.scope[COUNT + 1 :]
 
     def on_mesh(self) -> contextlib.AbstractContextManager:
         """Where the step is traced: ``traced_on(self.mesh)``."""
@@ -208,9 +215,8 @@ class Candidates:
         nearest count, first compiled first. The ratio grows with the count (a loop's overhead,
         which the two models weigh differently: the 12 x 768 LM's dense step on TPU v5p, 1.24 at
         one micro-batch, 1.31 at 2, 1.36 at 4), so a step's own count's, or the nearest one's, is used."""
-        mine = self.scope[:4] + self.scope[5:]  # the scope but its micro-batch count
-        timed = [(scope[4], tuple(rest), m, step) for (scope, *rest), (m, step) in self.shared.items()
-                 if scope[:4] + scope[5:] == mine and step is not None and step.modelled_seconds is not None and step.roofline_seconds]  # fmt: skip
+        timed = [(scope[COUNT], tuple(rest), m, step) for (scope, *rest), (m, step) in self.shared.items()
+                 if scope == self.at_count(scope[COUNT]) and step is not None and step.modelled_seconds is not None and step.roofline_seconds]  # fmt: skip
         if not timed:
             return None
         k, _, m, step = min(timed, key=lambda t: (t[1] != key, abs(math.log2(t[0] / self.microbatches))))

@@ -221,8 +221,10 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         left_out = left_out if len(options) > 1 else []
         print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}"
               + (f" (approximate ones left out: approximate=True adds {left_out})" if left_out else ""), file=sys.stderr)  # fmt: skip
-    if (search.scope, ("keep",) * n, "keep", "plain") not in search.shared and search.program(["keep"] * n, "keep") == search.program(["remat"] * n, "keep"):
-        # Remat on every block always changes the step's program: unless the loss ignores its module.
+    # Remat on every block always changes the step's program: unless the loss ignores its module. Checked
+    # once per step (microbatches="auto" compiles the dense step at one micro-batch first), not per count.
+    checked = any((search.at_count(k), ("keep",) * n, "keep", "plain") in search.shared for k in (1, microbatches))
+    if not checked and search.program(["keep"] * n, "keep") == search.program(["remat"] * n, "keep"):
         raise ValueError(f"plan: loss_fn never applies the module it is given (remat on every block lowered to the dense step's "
                          f"program): apply its first argument, e.g. {family.loss_example}")  # fmt: skip
     names = list(dict.fromkeys(["keep", *options]))
