@@ -1,12 +1,12 @@
-"""Block-sparse and quantized-input matmul kernels in Pallas (GPU via Triton), each beside a pure
-jax.numpy reference.
+"""Block-sparse and quantized-input matmul kernels in Pallas (GPU via Triton; the int8 quantized pair
+also for TPU via Mosaic, ``quantized_matmul_tpu``), each beside a pure jax.numpy reference.
 
 Kernels take plain arrays: kept blocks ``values (cap, bm, bk)`` plus int32 index arrays (see
 ``pallas_kernels.layout``). On CUDA/ROCm they compile with Triton; elsewhere they run in the
 Pallas interpreter (slow; for tests).
 """
 
-from pallas_kernels import block_loop, quantized_matmul
+from pallas_kernels import block_loop, quantized_matmul, quantized_matmul_tpu
 from pallas_kernels.bsr_matmul import bsr_matmul, bsr_matmul_reference
 from pallas_kernels.bsr_t_matmul import bsr_t_matmul, bsr_t_matmul_reference
 from pallas_kernels.quantized_matmul import (

@@ -7,11 +7,13 @@ stored residual is the same ``BlockSparse`` as the unfused path's, code for code
 
 Opt in with ``backend="fused"`` (or ``$BSR_JAX_BACKEND=fused``). Lowered for a GPU the kernels
 compile with Triton; for the CPU they run in the Pallas interpreter (for tests: slow); for a TPU,
-and for layers the kernels do not take (``why_not``: other storage; K not a multiple of 128, or
-below it and not a power of two from 16, or int4 below it; M or N not a multiple of 16), the layer
-runs the unfused path of the platform's default backend, which stores the same codes. The forward
+int8 layers run ``pallas_kernels.quantized_matmul_tpu``'s Mosaic kernels where they take the
+shapes. For layers the kernels do not take (``why_not``: other storage; K not a multiple of 128, or
+below it and not a power of two from 16, or int4 below it; M or N not a multiple of 16; on TPU
+int4, and ``quantized_matmul_tpu.shape_error``'s), the layer runs the unfused path of the
+platform's default backend, which stores the same codes. The forward
 GEMM accumulates in f32 as XLA's does but in its own order: y equals the dense layer's up to f32
-rounding, not bit for bit. Never run on a GPU yet: deviceless compiles only.
+rounding, not bit for bit. Never run on a GPU or TPU yet: deviceless compiles only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import pallas_kernels
+from pallas_kernels import quantized_matmul_tpu
 from bsr_jax.core import platforms
 from bsr_jax.storage.format import BlockSparse
 from bsr_jax.storage.pruning import Pruning
@@ -58,12 +61,24 @@ def forward(x: jax.Array, w: jax.Array, pruning: Pruning, precision: lax.Precisi
     is None); ``unfused(x, w)`` computes the same pair where they do not run (TPU)."""
     stored = pruning.stored_shape(x)
 
+    def stored_as(codes, scales):  # (Kb, M, width) is the blocks layout's (Kb * M, ...)
+        return dataclasses.replace(stored, values=codes.reshape(stored.values.shape), scales=scales.reshape(-1))
+
     def kernels(x, w):
         y, codes, scales = pallas_kernels.matmul_quantizing(x, w, storage=pruning.storage_dtype, tile=stored.block[1], precision=precision)
-        values = codes.reshape(stored.values.shape)  # (Kb, M, width) is the blocks layout's (Kb * M, ...)
-        return y, dataclasses.replace(stored, values=values, scales=scales.reshape(-1))
+        return y, stored_as(codes, scales)
 
-    return platforms.by_lowering_platform(kernels, {"tpu": unfused}, x, w)
+    def tpu_kernels(x, w):
+        if _tpu_error(x.shape[0], x.shape[1], w.shape[1], pruning.storage_dtype, x.dtype):
+            return unfused(x, w)  # the same codes, by XLA's passes
+        y, codes, scales = quantized_matmul_tpu.matmul_quantizing(x, w, storage=pruning.storage_dtype, tile=stored.block[1], precision=precision)
+        return y, stored_as(codes, scales)
+
+    return platforms.by_lowering_platform(kernels, {"tpu": tpu_kernels}, x, w)
+
+
+def _tpu_error(m: int, k: int, n: int, storage: str, dtype) -> str | None:
+    return quantized_matmul_tpu.shape_error(m, k, n, storage, _tile(k), jnp.dtype(dtype).itemsize)
 
 
 def fused_dw(bsr: BlockSparse, dy: jax.Array, otherwise) -> jax.Array:
@@ -75,9 +90,14 @@ def fused_dw(bsr: BlockSparse, dy: jax.Array, otherwise) -> jax.Array:
         return otherwise(bsr, dy)
     kb = k // _tile(k)
 
-    def kernel(bsr, dy):
+    def kernel(bsr, dy, t_matmul=pallas_kernels.quantized_t_matmul):
         codes = bsr.values.reshape(kb, m, -1)
         x_dtype = bsr.dense_dtype or dy.dtype
-        return pallas_kernels.quantized_t_matmul(codes, bsr.scales.reshape(kb, m), dy.astype(x_dtype))
+        return t_matmul(codes, bsr.scales.reshape(kb, m), dy.astype(x_dtype))
 
-    return platforms.by_lowering_platform(kernel, {"tpu": otherwise}, bsr, dy)
+    def tpu_kernel(bsr, dy):
+        if bsr.values.dtype != jnp.int8 or _tpu_error(m, k, n, bsr.storage_dtype, bsr.dense_dtype or dy.dtype):
+            return otherwise(bsr, dy)
+        return kernel(bsr, dy, quantized_matmul_tpu.quantized_t_matmul)
+
+    return platforms.by_lowering_platform(kernel, {"tpu": tpu_kernel}, bsr, dy)

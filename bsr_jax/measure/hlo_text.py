@@ -136,6 +136,13 @@ def backend_config(attrs: str) -> dict:
         return {}
 
 
+def cost_estimate(config: dict) -> dict:
+    """A custom call's declared ``pl.CostEstimate`` from its ``backend_config`` (Mosaic kernels on
+    TPU: in their ``custom_call_config``, numbers as strings), or {}."""
+    estimate = config.get("cost_estimate") or config.get("custom_call_config", {}).get("cost_estimate")
+    return estimate if isinstance(estimate, dict) else {}
+
+
 def op_names(computations: dict[str, list[Instr]]) -> dict[str, str]:
     """Instruction name -> the ``op_name`` of its metadata (the JAX name stack: module path
     included). A fusion or call XLA built without one takes that of the last instruction of the

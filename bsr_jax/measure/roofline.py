@@ -42,6 +42,7 @@ from bsr_jax.measure.hlo_text import (
     arrays,
     attr,
     backend_config,
+    cost_estimate,
     dims,
     group_size,
     op_names,
@@ -217,9 +218,9 @@ class _Model:
         splash = _SPLASH.match(instr.name)
         if splash and "tpu_custom_call" in target:
             return self.splash_flops(instr, shapes, splash.group(1))
-        # Other custom calls (Mosaic kernels on TPU carry their pl.CostEstimate to XLA): as declared.
-        estimate = config.get("cost_estimate")
-        f = float(estimate.get("flops", 0.0)) if isinstance(estimate, dict) else 0.0
+        # Other custom calls: as declared. Mosaic kernels on TPU carry their pl.CostEstimate to XLA in
+        # their custom_call_config, its numbers as strings.
+        f = float(cost_estimate(config).get("flops", 0.0))
         return f, f / self.hw.default_flops
 
     def splash_flops(self, instr: Instr, shapes: dict[str, str], phase: str) -> tuple[float, float]:
@@ -315,6 +316,8 @@ class _Model:
             link_s = self.link_seconds(instr, shapes)
             if op == "custom-call":
                 flops, compute_s = self.custom_call_flops(instr, shapes)
+                # A kernel's declared traffic counts where it re-reads its operands (a GEMM's tiles).
+                nbytes = max(nbytes, float(cost_estimate(backend_config(instr.attrs)).get("bytes_accessed", 0.0)))
             else:
                 flops, compute_s = self.own_matmul(instr, shapes)
             seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) + self.hw.launch_s

@@ -78,7 +78,16 @@ def test_compiled_for_h100_the_kernels_write_and_read_the_codes():
     assert fused_step.peak <= unfused.peak  # the same residual: no byte more to keep
 
 
-def test_lowered_for_tpu_it_is_the_unfused_path():
+def test_lowered_for_tpu_int8_runs_the_mosaic_kernels_and_int4_the_unfused_path():
     x, w1, w2 = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((512, 256), (256, 512), (512, 256)))
     text = jax.jit(_step("fused", ROWS["int8"])).trace(x, w1, w2).lower(lowering_platforms=("tpu",)).as_text()
-    assert "triton" not in text and "matmul_quantizing" not in text
+    assert "triton" not in text and text.count("matmul_quantizing_tpu") == 2 and text.count("quantized_t_matmul_tpu") == 2
+    text = jax.jit(_step("fused", ROWS["int4"])).trace(x, w1, w2).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" not in text and "matmul_quantizing" not in text  # int4 on TPU: XLA's passes, the same codes
+
+
+def test_on_tpu_the_kernels_keep_what_the_unfused_path_keeps_and_xla_times_the_step():
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1024, 256), (256, 512), (512, 256))]
+    fused_step = bsr_jax.compiled_memory(_step("fused", ROWS["int8"]), *shapes, target="tpu-v5p")
+    unfused = bsr_jax.compiled_memory(_step("xla", ROWS["int8"]), *shapes, target="tpu-v5p")
+    assert fused_step.optimal_seconds is not None and fused_step.peak <= unfused.peak
