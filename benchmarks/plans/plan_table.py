@@ -69,11 +69,11 @@ def baselines(family, loss_fn, batch, target):
     planner's instrument): JAX's remat policies and MaxText's named ones on every block, and the
     dense step and remat on every block at each micro-batch count of ``MICROBATCHES`` dividing the
     batch (``bsr_jax.accumulated_value_and_grad``). ``family``: the model's ``planner.Linen``."""
-    found = {}
+    found, shared = {}, {}  # one cache for every count: a step XLA cannot time is priced as one like it at another count
     for k in (1, *MICROBATCHES):
         if batch[0].shape[0] % k:
             continue
-        steps = planner.Candidates(family, {"plain": loss_fn}, batch, optax.adamw(1e-3), target, False, None, microbatches=k)
+        steps = planner.Candidates(family, {"plain": loss_fn}, batch, optax.adamw(1e-3), target, False, shared, microbatches=k)
         n = len(family.blocks)
         measured = {}
         for setting in (("keep",) + REMAT_SETTINGS + NAMED_SETTINGS if k == 1 else ("keep", "remat")):
@@ -82,6 +82,31 @@ def baselines(family, loss_fn, batch, target):
         # A step XLA's model could not time is rescaled once one like it is timed: read them again.
         found |= {label: steps.current(m) for label, m in measured.items()}
     return found
+
+
+def against(others, budget, plain=None):
+    """A row's baseline fields: the dense step (``plain``'s where given), every baseline's peak and
+    time as ratios to it, and the fastest that fits ``budget`` of its peak."""
+    dense = others["dense"]
+    dense_mib, dense_ms = (plain["peak_mib"], plain["ms"]) if plain else (dense.peak / 2**20, dense.seconds * 1e3)
+    limit = budget * dense_mib * 2**20
+    fitting = {label: m for label, m in others.items() if m.compiled and m.peak <= limit}
+    best = min(fitting, key=lambda label: fitting[label].seconds, default=None)
+    return dict(dense_mib=dense_mib, dense_ms=dense_ms,
+                baselines={label: dict(peak_ratio=m.peak / 2**20 / dense_mib, time_ratio=m.seconds * 1e3 / dense_ms if m.compiled else None)
+                           for label, m in others.items()},
+                best_baseline=best and dict(label=best, peak_ratio=fitting[best].peak / 2**20 / dense_mib,
+                                            time_ratio=fitting[best].seconds * 1e3 / dense_ms))  # fmt: skip
+
+
+def rebaseline(rows, name, target):
+    """The baselines of ``rows`` (one model and target, the plain loss) measured again, their plans kept."""
+    model, shape, _, context = cm.MODELS[name]("dense")
+    x, y = _batch(shape)
+    with context:
+        others = baselines(planner.Linen(model, _loss_fn, (x, y), None, None), _loss_fn, (x, y), target)
+    for row in rows:
+        row.update(against(others, row["budget"]))
 
 
 def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None, microbatches="auto"):
@@ -106,17 +131,9 @@ def measure(name, target, budgets, options, cache, loss_chunk=0, plain=None, mic
             seconds = time.time() - start
             # In no cache the searches share: the next budget's search must not find them compiled.
             others = others or baselines(family, loss_fn, (x, y), target)
-            dense = others["dense"]
-            dense_mib, dense_ms = (plain["peak_mib"], plain["ms"]) if plain else (dense.peak / 2**20, dense.seconds * 1e3)
-            limit = budget * dense_mib * 2**20
-            fitting = {label: m for label, m in others.items() if m.compiled and m.peak <= limit}
-            best = min(fitting, key=lambda label: fitting[label].seconds, default=None)
             row = dict(model=name, target=target, budget=budget, loss_chunk=loss_chunk, seconds=seconds, options=list(options),
-                         microbatches_asked=microbatches, dense_mib=dense_mib, dense_ms=dense_ms,
-                         baselines={label: dict(peak_ratio=m.peak / 2**20 / dense_mib, time_ratio=m.seconds * 1e3 / dense_ms if m.compiled else None)
-                                    for label, m in others.items()},
-                         best_baseline=best and dict(label=best, peak_ratio=fitting[best].peak / 2**20 / dense_mib,
-                                                     time_ratio=fitting[best].seconds * 1e3 / dense_ms))  # fmt: skip
+                       microbatches_asked=microbatches, **against(others, budget, plain))  # fmt: skip
+            dense_mib, dense_ms = row["dense_mib"], row["dense_ms"]
             if p is None:
                 yield row | dict(error=error)
                 continue
@@ -165,9 +182,23 @@ def main(argv=None):
                         "budgets and ratios against the plain loss's dense step, from that model's plain rows (default: 0, plain)")
     parser.add_argument("--out", default="benchmarks/results/plan_table.json")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--baselines-only", action="store_true", help="measure the baselines of the rows in --out of --models "
+                        "and --targets again (their plans kept), e.g. after a change to the instrument")
     args = parser.parse_args(argv)
     saved = json.load(open(args.out)) if os.path.exists(args.out) else {"rows": []}
-    if not args.table_only:
+    if args.baselines_only:
+        meta = run_metadata()
+        for name in args.models:
+            for target in args.targets:
+                mine = [r for r in saved["rows"] if r["model"] == name and r["target"] == target and not r.get("loss_chunk")]
+                if mine:
+                    print(f"{name} {target}: baselines again (plain-loss rows) ...", file=sys.stderr, flush=True)
+                    rebaseline(mine, name, target)
+                    for row in mine:
+                        row["baselines_meta"] = {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}
+                    with open(args.out, "w") as f:
+                        json.dump(saved, f, indent=1)
+    elif not args.table_only:
         meta = run_metadata()
         for name in args.models:
             for target in args.targets:
