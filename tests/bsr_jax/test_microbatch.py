@@ -85,14 +85,21 @@ def test_nnx_models_are_refused_before_anything_compiles():
 
 
 @pytest.mark.slow  # 11 s of compiles; micro-batched plans hold by default in test_a_micro_batched_plan_measures_micro_batched_steps
-def test_auto_falls_back_to_the_fewest_micro_batches_whose_dense_step_fits():
+def test_auto_falls_back_to_the_fewest_micro_batches_whose_dense_step_fits(monkeypatch):
     """Blocks may only be kept: at 0.7 of the whole batch's dense peak nothing fits at one
-    micro-batch, and "auto" returns the dense step at two, as plan(microbatches=2) measures it."""
+    micro-batch, and "auto" returns the dense step at two, as plan(microbatches=2) measures it.
+    Lowering only that step: plan's check that the loss applies its module (it lowers remat on
+    every block beside the dense step) was made at each count "auto" tried, not once per step."""
+    from bsr_jax.planning import candidates
+
     x, y = jax.ShapeDtypeStruct((4096, 16), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.int32)
     common = dict(optimizer=optax.adamw(1e-3), target="h100", progress=False, options=["keep"], rest_options=["keep"], cache={})
     with pytest.raises(ValueError, match="no candidate fits"):
         bsr_jax.plan(Net(), _loss, x, y, budget=0.7, **common)
+    lowered, lower_for = [], candidates.lower_for
+    monkeypatch.setattr(candidates, "lower_for", lambda *a, **k: lowered.append(1) or lower_for(*a, **k))
     chosen = bsr_jax.plan(Net(), _loss, x, y, budget=0.7, microbatches="auto", **common)
+    assert len(lowered) == 1  # the dense step at two micro-batches
     halves = bsr_jax.plan(Net(), _loss, x, y, budget="1GiB", microbatches=2, **common)
     assert chosen.microbatches == 2 and (chosen.peak, chosen.modelled_seconds) == (halves.peak, halves.modelled_seconds)
     assert chosen.peak <= 0.7 * chosen.dense.peak and chosen.dense.peak > halves.peak  # dense: the whole batch's
@@ -161,22 +168,6 @@ def test_auto_lowers_and_traces_only_what_its_search_uses(monkeypatch):
     assert chosen.remat is None and set(chosen.choices.values()) == {"keep"}
     assert (len(lowered), len(traced)) == (2, 0)
     assert chosen.table == chosen.table and len(traced) == 1  # traced once, when first read
-
-
-def test_auto_checks_that_the_loss_applies_its_module_once_not_at_every_count(monkeypatch):
-    """plan's check lowers remat on every block beside the dense step; "auto" made it at each count
-    it tried (a lowering of 1-5 s thrown away per count on the four models): where the dense step
-    fits at two micro-batches only, three programs are lowered, the dense step at one and two and
-    remat at one."""
-    from bsr_jax.planning import candidates
-
-    lowered = []
-    lower_for = candidates.lower_for
-    monkeypatch.setattr(candidates, "lower_for", lambda *a, **k: lowered.append(1) or lower_for(*a, **k))
-    x, y = jax.ShapeDtypeStruct((4096, 16), jnp.float32), jax.ShapeDtypeStruct((4096,), jnp.int32)
-    chosen = bsr_jax.plan(Net(), _loss, x, y, budget=0.7, microbatches="auto", options=["keep"], rest_options=["keep"],
-                          optimizer=optax.adamw(1e-3), target="h100", progress=False)  # fmt: skip
-    assert chosen.microbatches == 2 and len(lowered) == 3
 
 
 def test_auto_where_nothing_fits_names_the_least_peak_of_every_count():
