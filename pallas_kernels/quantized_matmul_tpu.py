@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.quantized_matmul import LIMITS, TILE, _code_bytes, _round_half_even, _scales, matmul_flops, t_matmul_flops
+from pallas_kernels.tiling import result_like
 
 ROWS = (512, 256, 128)  # rows (tokens) per program, the largest that divides M and fits VMEM_BUDGET
 COLUMNS = (512, 256, 128)  # dW's columns per program, the largest dividing N (else all of N)
@@ -100,8 +101,7 @@ def matmul_quantizing(
     )  # fmt: skip
     return pl.pallas_call(
         functools.partial(_quantizing_kernel, limit=LIMITS[storage], precision=precision),
-        out_shape=(jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((kb, m, tile), jnp.int8),
-                   jax.ShapeDtypeStruct((kb, m), jnp.float32)),  # fmt: skip
+        out_shape=(result_like(x, (m, n), x.dtype), result_like(x, (kb, m, tile), jnp.int8), result_like(x, (kb, m), jnp.float32)),
         grid=(m // bm, kb),
         in_specs=[pl.BlockSpec((bm, tile), lambda i, k: (i, k)), pl.BlockSpec((tile, n), lambda i, k: (k, 0))],
         out_specs=[
@@ -171,7 +171,7 @@ def quantized_t_matmul(
     if why:
         raise ValueError(f"quantized_t_matmul (TPU): {why}")
     bm, tk, bn = _t_tiles(m, kb * tile, n, tile, dy.dtype.itemsize)
-    out = jax.ShapeDtypeStruct((kb * tile, n), out_dtype)
+    out = result_like(dy, (kb * tile, n), out_dtype)
     cost = pl.CostEstimate(  # codes and scales once per column tile of dW, dy once per row tile
         flops=t_matmul_flops([codes.shape, scales.shape, dy.shape], out.shape), transcendentals=0,
         bytes_accessed=(m * kb * tile + kb * m * 4 * (kb * tile // tk)) * (n // bn) + m * n * dy.dtype.itemsize * (kb * tile // tk)

@@ -220,3 +220,21 @@ def test_inside_shard_map_compiles_for_an_accelerator_from_a_cpu_host(target, pr
     assert "bsr_jax_cpu" not in text
     # Top-k on a GPU: the dW is the Pallas kernel.
     assert ("pallas_call" in text) == (target == "h100" and pruning.sparsity > 0)
+
+
+def test_the_fused_tpu_kernels_compile_inside_shard_map():
+    """The fused backend's Mosaic kernels in a data-parallel shard_map compiled for 4 TPU v5p chips:
+    their results vary over the mesh axis as their operands do."""
+    mesh = target_mesh("tpu-v5p", 4)
+    pruning = bsr_jax.Pruning(0.0, block=(1, 128), storage_dtype="int8", backend="fused")
+
+    def local(x, w, dy):
+        w = jax.lax.pcast(w, "data", to="varying")
+        _, vjp = jax.vjp(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=pruning), x, w)
+        return jax.lax.psum(vjp(dy)[1], "data")
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P()))
+    shapes, specs = ((1024, 128), (128, 256), (1024, 256)), (P("data"), P(), P("data"))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p)) for s, p in zip(shapes, specs)]
+    text = compile_for(step, *args, target="tpu-v5p", devices=4).as_text()
+    assert "matmul_quantizing_tpu" in text and "quantized_t_matmul_tpu" in text
