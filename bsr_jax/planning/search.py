@@ -189,6 +189,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if not isinstance(model, (nn.Module, nnx.Module)):
         raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
     family_type = Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
+    defaults = options is None and not approximate  # approximate=True would add options (named ones are searched as named)
     options = _available("options", options, tuple(OPTIONS), family_type, approximate)
     rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type, approximate)
     if loss_chunk is not None:
@@ -216,9 +217,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     blocks = family.blocks
     n = len(blocks)
     if progress:
-        # Only where the search has a choice to make (microbatches="auto" asks for the dense step alone).
-        left_out = [o for o in OPTIONS if not OPTIONS[o].exact and o not in options and o not in family_type.unavailable]
-        left_out = left_out if len(options) > 1 else []
+        left_out = [o for o in OPTIONS if defaults and not OPTIONS[o].exact and not OPTIONS[o].opt_in and o not in family_type.unavailable]
         print(f"[plan] {n} block(s): {blocks[0]}{' .. ' + blocks[-1] if n > 1 else ''}; options {list(options)}"
               + (f" (approximate ones left out: approximate=True adds {left_out})" if left_out else ""), file=sys.stderr)  # fmt: skip
     # Remat on every block always changes the step's program: unless the loss ignores its module. Checked

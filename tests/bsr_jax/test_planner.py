@@ -373,6 +373,9 @@ def test_a_budget_the_dense_step_fits_is_one_compile_of_exact_options(compiled, 
     assert "options ['keep', 'lean', 'remat', 'remat-dots', 'remat-dots-all', 'remat-offload'] (approximate ones left out" in header
     planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1GiB", target="h100", cache=compiled, approximate=True)
     assert "'int4', 'int4-dx8', 'topk'" in capsys.readouterr().err.splitlines()[0] and len(compiles) <= 1
+    # Options named are searched as named (approximate=True adds nothing to them): no hint that it would.
+    planner.plan(Net(), _labels_loss, *BATCH, optimizer=optax.adamw(1e-3), budget="1GiB", target="h100", cache=compiled, options=["keep", "remat"])
+    assert "left out" not in capsys.readouterr().err.splitlines()[0] and len(compiles) <= 1
 
 
 def test_prefetched_candidates_compile_once_in_threads_to_what_a_plain_compile_gives(compiles):
