@@ -6,8 +6,9 @@ are their references too.
 ``(tile, N)`` rows into an f32 ``(bm, N)`` accumulator in VMEM and, from the x tile it loaded,
 writes that tile's codes and its ``bm`` scales; the K loop is the grid's last axis, so x is read
 once and w once per row tile. ``quantized_t_matmul(codes, scales, dy)``: program ``(j, n, i)``
-dequantizes the ``(bm, tile)`` codes of x's tile column ``j``, transposed, and accumulates
-``x_tile.T @ dy_tile`` into dW's ``(tile, bn)`` tile over the row tiles ``i`` (the last axis).
+owns a ``(tk, bn)`` tile of dW (``tk / tile`` of x's tile columns, as many as VMEM allows, so dy
+is read fewer times), dequantizes each ``(bm, tile)`` tile of codes, transposed, and accumulates
+``x_tile.T @ dy_tile`` into it over the row tiles ``i`` (the last axis).
 
 Why the shapes differ from the GPU kernels': a TPU block's two minor dimensions are multiples of
 (8, 128) or the whole array's, so scales ``(Kb, M)`` are read and written ``(Kb, bm)`` at a time
@@ -36,13 +37,14 @@ COLUMNS = (512, 256, 128)  # dW's columns per program, the largest dividing N (e
 VMEM_BUDGET = 12 * 2**20
 
 
-def _forward_vmem(bm: int, tile: int, n: int, item: int) -> int:
-    """x, w, y, codes, scales blocks double-buffered, and the f32 accumulator."""
-    return 2 * (bm * tile * item + tile * n * item + bm * n * item + bm * tile + 8 * bm * 4) + bm * n * 4
+def _forward_vmem(bm: int, kb: int, tile: int, n: int, item: int) -> int:
+    """x, w, y, codes and (Kb, bm) scales blocks double-buffered (scales' rows padded to 8), and
+    the f32 accumulator."""
+    return 2 * (bm * tile * item + tile * n * item + bm * n * item + bm * tile + max(8, kb) * bm * 4) + bm * n * 4
 
 
-def _rows(m: int, tile: int, n: int, item: int) -> int | None:
-    return next((r for r in ROWS if m % r == 0 and _forward_vmem(r, tile, n, item) <= VMEM_BUDGET), None)
+def _rows(m: int, k: int, tile: int, n: int, item: int) -> int | None:
+    return next((r for r in ROWS if m % r == 0 and _forward_vmem(r, k // tile, tile, n, item) <= VMEM_BUDGET), None)
 
 
 def shape_error(m: int, k: int, n: int, storage: str, tile: int = TILE, itemsize: int = 2) -> str | None:
@@ -56,7 +58,7 @@ def shape_error(m: int, k: int, n: int, storage: str, tile: int = TILE, itemsize
         return f"K must be a multiple of tile={tile}, got {k}"
     if n % 128 and n > max(COLUMNS):
         return f"N (columns) must be a multiple of 128 or at most {max(COLUMNS)}, got {n}"
-    if _rows(m, tile, n, itemsize) is None:
+    if _rows(m, k, tile, n, itemsize) is None:
         return f"M (rows) must be a multiple of {ROWS[-1]} with N={n} small enough for {VMEM_BUDGET >> 20} MiB of VMEM, got M={m}"
     return None
 
@@ -94,7 +96,7 @@ def matmul_quantizing(
         f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must be (M, K) and (K, N) of one dtype")  # fmt: skip
     if why:
         raise ValueError(f"matmul_quantizing (TPU): {why}")
-    bm, kb, item = _rows(m, tile, n, x.dtype.itemsize), k // tile, x.dtype.itemsize
+    bm, kb, item = _rows(m, k, tile, n, x.dtype.itemsize), k // tile, x.dtype.itemsize
     cost = pl.CostEstimate(  # x read once, w once per row tile; y, codes and scales written once
         flops=matmul_flops([x.shape, w.shape], (m, n)), transcendentals=0,
         bytes_accessed=(m * k + k * n * (m // bm) + m * n) * item + _code_bytes(m, k, storage, tile),

@@ -96,7 +96,7 @@ def fused_dw(bsr: BlockSparse, dy: jax.Array, otherwise) -> jax.Array:
         return t_matmul(codes, bsr.scales.reshape(kb, m), dy.astype(x_dtype))
 
     def tpu_kernel(bsr, dy):
-        if bsr.values.dtype != jnp.int8 or _tpu_error(m, k, n, bsr.storage_dtype, bsr.dense_dtype or dy.dtype):
+        if _tpu_error(m, k, n, bsr.storage_dtype, bsr.dense_dtype or dy.dtype):  # int4's uint8 codes among its refusals
             return otherwise(bsr, dy)
         return kernel(bsr, dy, quantized_matmul_tpu.quantized_t_matmul)
 

@@ -191,9 +191,9 @@ class _Model:
             flops, seconds = flops + f, seconds + s
         return flops, seconds
 
-    def custom_call_flops(self, instr: Instr, shapes: dict[str, str]) -> tuple[float, float]:
+    def custom_call_flops(self, instr: Instr, shapes: dict[str, str], config: dict) -> tuple[float, float]:
+        """(FLOPs, seconds at peak) of a custom call; ``config``: its parsed ``backend_config``."""
         target = attr(instr.attrs, "custom_call_target") or ""
-        config = backend_config(instr.attrs)
         out_type = instr.type.removeprefix("(")
         if "gemm_backend_config" in config or "cublas" in target:
             numbers = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
@@ -315,9 +315,10 @@ class _Model:
             nbytes = self.io_bytes(instr, shapes)
             link_s = self.link_seconds(instr, shapes)
             if op == "custom-call":
-                flops, compute_s = self.custom_call_flops(instr, shapes)
+                config = backend_config(instr.attrs)  # parsed once: a Mosaic call's holds its whole kernel
+                flops, compute_s = self.custom_call_flops(instr, shapes, config)
                 # A kernel's declared traffic counts where it re-reads its operands (a GEMM's tiles).
-                nbytes = max(nbytes, float(cost_estimate(backend_config(instr.attrs)).get("bytes_accessed", 0.0)))
+                nbytes = max(nbytes, float(cost_estimate(config).get("bytes_accessed", 0.0)))
             else:
                 flops, compute_s = self.own_matmul(instr, shapes)
             seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) + self.hw.launch_s
