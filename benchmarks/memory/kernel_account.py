@@ -1,7 +1,9 @@
 """Where a compressed step's time goes: ResMLP-S12's full adamw step (CIFAR, B=128) compiled
 deviceless for H100 (or TPU v5p, ``--target``), its modelled time summed per kind of kernel (each block's kernels added up over
 the 12 blocks), one column per storage format of every dW residual, beside dense (``int8-fused`` / ``int4-fused``:
-the 1 x 128 formats through ``backend="fused"``, whose GEMMs write and read the codes).
+the 1 x 128 formats through ``backend="fused"``, whose GEMMs write and read the codes). ``--model vit-b16``
+(or ``lm-12x768``) accounts for compiled_memory's step of that model instead, its settings named as there
+(``dense int4-rows int8-fused int4-fused ...``: every linear input through ``compress_model``).
 
 A kernel's kind is its module and op from XLA's metadata (``block*/fc1/reduce_max``), prefixed
 ``GEMM`` where it is a GEMM (a Triton or cuBLAS call, or over 0.1 GFLOP) and ``bwd`` where it runs
@@ -11,6 +13,7 @@ times are the roofline's (``bsr_jax.measure.roofline``); on TPU v5p the table ad
 modelled step beside its sum.
 
     python -m benchmarks.memory.kernel_account --formats dense int8 int8-rows int4 --triton-gemm auto off
+    python -m benchmarks.memory.kernel_account --model vit-b16 --formats dense int4-rows int4-fused --triton-gemm off
 
 Writes docs/RESULTS.md section 14 (JSON: benchmarks/results/kernel_account.json).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -28,7 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bsr_jax import Pruning  # noqa: E402
 from bsr_jax.measure import compiled, roofline  # noqa: E402
-from benchmarks.memory.compiled_memory import FUSED, TOKEN_ROWS, step_args  # noqa: E402
+from benchmarks.memory.compiled_memory import FUSED, MODELS, SETTINGS, TOKEN_ROWS, step_args  # noqa: E402
 from benchmarks.run_info import footer, run_metadata  # noqa: E402
 from train import models as train_models  # noqa: E402
 
@@ -56,26 +60,37 @@ def s12(pruning: Pruning | None):
 
 
 def kind(kernel: roofline.Kernel) -> str:
-    op = re.sub(r"block\d+", "block*", kernel.op)
+    # Blocks' indices (S12's block3, ViT's encoderblock_3, the LM's encoderdecoderblock_3) become *.
+    op = re.sub(r"(?<=block)_?\d+", "*", kernel.op)
     where = "/".join(op.split("/")[-3:]) if op else kernel.name.split(".")[0]
     gemm = "gemm" in kernel.name or "cublas" in kernel.name or kernel.flops > 1e8
     return f"{'GEMM ' if gemm else ''}{'bwd' if 'transpose' in op else 'fwd'} {where}"
 
 
-def account(fmt: str, triton_gemm: bool | None, target: str = "h100") -> dict:
-    step, args = step_args(s12(FORMATS[fmt]), (128, 32, 32, 3), 10)
-    program = compiled.compile_for(step, *args, target=target, donate_argnums=(0, 1), triton_gemm=triton_gemm)
+def account(fmt: str, triton_gemm: bool | None, target: str = "h100", model: str = "resmlp-s12") -> dict:
+    if model == "resmlp-s12":
+        step, args = step_args(s12(FORMATS[fmt]), (128, 32, 32, 3), 10)
+        context = contextlib.nullcontext()
+    else:
+        built = MODELS[model](fmt)
+        if built is None:
+            raise SystemExit(f"--formats: {fmt} does not apply to {model} (compiled_memory measures no such step)")
+        module, shape, classes, context = built
+        with context:
+            step, args = step_args(module, shape, classes)
+    with context:
+        program = compiled.compile_for(step, *args, target=target, donate_argnums=(0, 1), triton_gemm=triton_gemm)
     text = program.as_text()
-    model = roofline.roofline(text, target)
+    rl = roofline.roofline(text, target)
     cost = program.cost_analysis() or {}
     xla_seconds = (cost[0] if isinstance(cost, list) else cost).get("optimal_seconds")
     us, mib = collections.Counter(), collections.Counter()
-    for kernel in model.kernels:
+    for kernel in rl.kernels:
         us[kind(kernel)] += kernel.seconds * 1e6
         mib[kind(kernel)] += kernel.bytes / MIB
-    return dict(format=fmt, target=target, triton_gemm=compiled.uses_triton_gemm(text), peak_mib=program.memory_analysis().peak_memory_in_bytes / MIB,
-                modelled_us=model.seconds * 1e6, xla_us=xla_seconds * 1e6 if xla_seconds and xla_seconds > 0 else None,
-                kernels=len(model.kernels), us=dict(us), mib=dict(mib))  # fmt: skip
+    return dict(format=fmt, model=model, target=target, triton_gemm=compiled.uses_triton_gemm(text), peak_mib=program.memory_analysis().peak_memory_in_bytes / MIB,
+                modelled_us=rl.seconds * 1e6, xla_us=xla_seconds * 1e6 if xla_seconds and xla_seconds > 0 else None,
+                kernels=len(rl.kernels), us=dict(us), mib=dict(mib))  # fmt: skip
 
 
 def table(rows: list[dict], top: int) -> str:
@@ -94,7 +109,9 @@ def table(rows: list[dict], top: int) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=["dense", "int8", "int8-rows", "int4"])
+    parser.add_argument("--model", choices=["resmlp-s12", "vit-b16", "lm-12x768"], default="resmlp-s12")
+    parser.add_argument("--formats", nargs="+", choices=sorted(set(FORMATS) | set(SETTINGS)), default=["dense", "int8", "int8-rows", "int4"],
+                        help="ResMLP-S12: this module's formats; other models: compiled_memory's settings")
     parser.add_argument("--triton-gemm", nargs="+", choices=list(TRITON), default=["auto"])
     parser.add_argument("--target", choices=["h100", "tpu-v5p"], default="h100", help="tpu-v5p: --triton-gemm does not apply")
     parser.add_argument("--top", type=int, default=16, help="kinds shown: those whose time grows most over the first format's")
@@ -103,8 +120,8 @@ def main(argv=None) -> None:
     meta, rows = run_metadata(), []
     for triton in args.triton_gemm if args.target == "h100" else ["auto"]:
         for fmt in args.formats:
-            print(f"{fmt} {args.target} triton_gemm={triton} ...", file=sys.stderr, flush=True)
-            rows.append(account(fmt, TRITON[triton], args.target) | {"meta": {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}})
+            print(f"{args.model} {fmt} {args.target} triton_gemm={triton} ...", file=sys.stderr, flush=True)
+            rows.append(account(fmt, TRITON[triton], args.target, args.model) | {"meta": {k: meta[k] for k in ("commit", "date", "machine", "cpu", "jax")}})
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
     print(table(rows, args.top))
