@@ -43,8 +43,16 @@ def _forward_vmem(bm: int, kb: int, tile: int, n: int, item: int) -> int:
     return 2 * (bm * tile * item + tile * n * item + bm * n * item + bm * tile + max(8, kb) * bm * 4) + bm * n * 4
 
 
+def _row_tile(m: int, fits) -> int | None:
+    """Rows (tokens) per program: the largest of ``ROWS`` that divides M and ``fits``, else the one
+    that fits with the fewest rows past M in the last tile (a partial tile: Pallas pads what it
+    reads there and drops what is written past M), else all of M where M is below 128."""
+    fitting = [r for r in ROWS if fits(r)] if m >= ROWS[-1] else [m] if fits(m) else []
+    return next((r for r in fitting if m % r == 0), min(fitting, key=lambda r: (-m % r, -r), default=None))
+
+
 def _rows(m: int, k: int, tile: int, n: int, item: int) -> int | None:
-    return next((r for r in ROWS if m % r == 0 and _forward_vmem(r, k // tile, tile, n, item) <= VMEM_BUDGET), None)
+    return _row_tile(m, lambda r: _forward_vmem(r, k // tile, tile, n, item) <= VMEM_BUDGET)
 
 
 def shape_error(m: int, k: int, n: int, storage: str, tile: int = TILE, itemsize: int = 2) -> str | None:
@@ -59,7 +67,7 @@ def shape_error(m: int, k: int, n: int, storage: str, tile: int = TILE, itemsize
     if n % 128 and n > max(COLUMNS):
         return f"N (columns) must be a multiple of 128 or at most {max(COLUMNS)}, got {n}"
     if _rows(m, k, tile, n, itemsize) is None:
-        return f"M (rows) must be a multiple of {ROWS[-1]} with N={n} small enough for {VMEM_BUDGET >> 20} MiB of VMEM, got M={m}"
+        return f"N (columns) must be small enough for {VMEM_BUDGET >> 20} MiB of VMEM with {min(m, ROWS[-1])} rows a program, got N={n}"
     return None
 
 
@@ -84,13 +92,15 @@ def _quantizing_kernel(x_ref, w_ref, y_ref, codes_ref, scales_ref, acc_ref, *, l
 
 
 def matmul_quantizing(
-    x: jax.Array, w: jax.Array, *, storage: str = "int8", tile: int = TILE, precision: lax.PrecisionLike = None, interpret: bool = False
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x: jax.Array, w: jax.Array, *, storage: str = "int8", tile: int = TILE, precision: lax.PrecisionLike = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """``x @ w`` and x's int8 codes ``(Kb, M, tile)`` and scales ``(Kb, M)`` float32, in one Mosaic
     kernel (``quantized_matmul.matmul_quantizing``'s results; ``shape_error`` says what it takes).
 
     ``y`` accumulates in f32 in its own order (K tile by K tile): XLA's dot up to f32 rounding.
-    ``interpret``: the Pallas interpreter (tests on CPU)."""
+    ``interpret``: the Pallas interpreter (tests on CPU); ``pltpu.InterpretParams`` the TPU one, whose
+    reads past an array's end (a partial last row tile) can be made NaN, as Mosaic leaves them unspecified."""
     (m, k), n = x.shape, w.shape[1]
     why = shape_error(m, k, n, storage, tile, x.dtype.itemsize) if w.shape[0] == k and x.dtype == w.dtype else (
         f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must be (M, K) and (K, N) of one dtype")  # fmt: skip
@@ -99,12 +109,12 @@ def matmul_quantizing(
     bm, kb, item = _rows(m, k, tile, n, x.dtype.itemsize), k // tile, x.dtype.itemsize
     cost = pl.CostEstimate(  # x read once, w once per row tile; y, codes and scales written once
         flops=matmul_flops([x.shape, w.shape], (m, n)), transcendentals=0,
-        bytes_accessed=(m * k + k * n * (m // bm) + m * n) * item + _code_bytes(m, k, storage, tile),
+        bytes_accessed=(m * k + k * n * pl.cdiv(m, bm) + m * n) * item + _code_bytes(m, k, storage, tile),
     )  # fmt: skip
     return pl.pallas_call(
         functools.partial(_quantizing_kernel, limit=LIMITS[storage], precision=precision),
         out_shape=(result_like(x, (m, n), x.dtype), result_like(x, (kb, m, tile), jnp.int8), result_like(x, (kb, m), jnp.float32)),
-        grid=(m // bm, kb),
+        grid=(pl.cdiv(m, bm), kb),
         in_specs=[pl.BlockSpec((bm, tile), lambda i, k: (i, k)), pl.BlockSpec((tile, n), lambda i, k: (k, 0))],
         out_specs=[
             pl.BlockSpec((bm, n), lambda i, k: (i, 0)),
@@ -122,7 +132,7 @@ def matmul_quantizing(
 def _t_tiles(m: int, k: int, n: int, tile: int, item: int) -> tuple[int, int, int]:
     """(rows, dW rows, dW columns) per program of the dW GEMM: the least HBM traffic (codes read
     once per column tile, dy once per row tile of dW) whose blocks fit ``VMEM_BUDGET``."""
-    bm = next(r for r in ROWS if m % r == 0)
+    bm = _row_tile(m, lambda r: True)
     kb = k // tile
     columns = [c for c in (n, *COLUMNS) if n % c == 0 and (c % 128 == 0 or c == n)]
     best = None
@@ -135,18 +145,27 @@ def _t_tiles(m: int, k: int, n: int, tile: int, item: int) -> tuple[int, int, in
     return best[1] if best else (bm, tile, min(c for c in columns))
 
 
-def _t_kernel(codes_ref, scales_ref, dy_ref, out_ref, acc_ref, *, precision):
+def _t_kernel(codes_ref, scales_ref, dy_ref, out_ref, acc_ref, *, rows, precision):
     jk, i = pl.program_id(0), pl.program_id(2)
     tiles, tile = codes_ref.shape[0], codes_ref.shape[2]
+    bm = dy_ref.shape[0]
 
     @pl.when(i == 0)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     dy = dy_ref[...]
+    # A partial last row tile holds unspecified values past M (Pallas pads its reads), summed over
+    # here: zeroed in dy and in the scales (the codes are finite int8; 0 * NaN would be NaN).
+    valid = None if rows % bm == 0 else rows - i * bm
+    if valid is not None:
+        dy = jnp.where(lax.broadcasted_iota(jnp.int32, dy.shape, 0) < valid, dy, jnp.zeros_like(dy))
     for t in range(tiles):
         # x's tile transposed (tile, bm): each token's scale multiplies a lane, as stored.
-        x_t = (codes_ref[t].astype(jnp.float32).T * scales_ref[pl.ds(jk * tiles + t, 1), :]).astype(dy.dtype)
+        scales = scales_ref[pl.ds(jk * tiles + t, 1), :]
+        if valid is not None:
+            scales = jnp.where(lax.broadcasted_iota(jnp.int32, scales.shape, 1) < valid, scales, 0.0)
+        x_t = (codes_ref[t].astype(jnp.float32).T * scales).astype(dy.dtype)
         product = lax.dot_general(x_t, dy, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         acc_ref[pl.ds(t * tile, tile), :] += product
 
@@ -157,7 +176,7 @@ def _t_kernel(codes_ref, scales_ref, dy_ref, out_ref, acc_ref, *, precision):
 
 def quantized_t_matmul(
     codes: jax.Array, scales: jax.Array, dy: jax.Array, *, precision: lax.PrecisionLike = None, out_dtype=jnp.float32,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # fmt: skip
     """``x.T @ dy`` (``(K, N)``, f32 accumulation) from ``matmul_quantizing``'s int8 codes
     ``(Kb, M, tile)`` and scales ``(Kb, M)`` float32, for ``dy (M, N)``: each tile of codes is
@@ -180,9 +199,9 @@ def quantized_t_matmul(
         + kb * tile * n * jnp.dtype(out_dtype).itemsize,
     )  # fmt: skip
     return pl.pallas_call(
-        functools.partial(_t_kernel, precision=precision),
+        functools.partial(_t_kernel, rows=m, precision=precision),
         out_shape=out,
-        grid=(kb * tile // tk, n // bn, m // bm),
+        grid=(kb * tile // tk, n // bn, pl.cdiv(m, bm)),
         in_specs=[
             pl.BlockSpec((tk // tile, bm, tile), lambda j, c, i: (j, i, 0)),
             pl.BlockSpec((kb, bm), lambda j, c, i: (0, i)),
