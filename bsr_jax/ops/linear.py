@@ -114,6 +114,15 @@ _pruned_dot.defvjp(_pruned_dot_fwd, _pruned_dot_vjp)
 _dot_with_blocks.defvjp(_dot_with_blocks_fwd, _pruned_dot_vjp)
 
 
+def writes_own_codes(x: jax.Array, w: jax.Array, dims: Dims, pruning: Pruning, backend: str | None = None) -> bool:
+    """Whether ``pruned_dot_general`` without ``blocks`` would have its forward GEMM write x's codes
+    (the ``fused`` backend's kernels take the layer): then compressing x apart costs a pass of its own."""
+    contracted = len(dims[0][0])
+    x2 = merge_contracted(x, contracted)
+    rows, w2 = x2.reshape(-1, x2.shape[-1]), w.reshape(x2.shape[-1], -1)
+    return backends.resolve_backend(backend, pruning.backend) == "fused" and pruning.saves_memory(x2) and fused.why_not(pruning, rows, w2) is None
+
+
 def pruned_dot_general(
     x: jax.Array,
     w: jax.Array,

@@ -65,7 +65,7 @@ from bsr_jax.ops.conv import Conv, channels_last_dimension_numbers, compressed_c
 from bsr_jax.storage.format import BlockSparse
 from bsr_jax.storage.pruning import Pruning
 from bsr_jax.ops.layers import PrunedModule
-from bsr_jax.ops.linear import is_linear_dims, merge_contracted, pruned_dot_general
+from bsr_jax.ops.linear import is_linear_dims, merge_contracted, pruned_dot_general, writes_own_codes
 from bsr_jax.rewrite.rules import Rule
 from bsr_jax.core.layer_choice import NO_MATCH
 from bsr_jax.core.layer_table import LayerRow, LayerTable
@@ -87,6 +87,18 @@ class _SharedBlocks:
     layers read them. Holds the arrays themselves so their ids stay unique while cached."""
 
     cache: dict[tuple[int, str, Pruning], tuple[Any, BlockSparse]] = dataclasses.field(default_factory=dict)
+    # Inputs one layer has read with its own codes written by its GEMM (the fused kernels): shared
+    # from the second reader on, so a layer that is its input's only reader needs no pass over it.
+    first: dict[tuple[int, str, Pruning], Any] = dataclasses.field(default_factory=dict)
+
+    def first_reader(self, source: Any, x: jax.Array, pruning: Pruning) -> bool:
+        """True the first time ``source`` is read under ``pruning`` (recorded)."""
+        cache_key = (id(source), str(x.dtype), pruning)
+        entry = self.first.get(cache_key)
+        if entry is not None and entry is source:
+            return False
+        self.first[cache_key] = source
+        return True
 
     def blocks(self, source: Any, x: jax.Array, pruning: Pruning, key: jax.Array | None) -> BlockSparse:
         """Blocks of ``x``, the product's operand made from the module input ``source`` (the same
@@ -116,7 +128,11 @@ def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None
         # Shared blocks are computed in the forward pass, so they need the key there; a stochastic
         # layer without one keeps its own (which raises if it is differentiated).
         if shared is not None and source is not None and len(dims[0][0]) == 1 and pruning.saves_memory(x2) and (key is not None or not pruning.needs_key):
-            blocks = shared.blocks(source, x, pruning, key)
+            # Where the layer's GEMM writes x's codes itself (fused kernels), its first reader keeps
+            # its own; the others share one compression of x (q/k/v: two copies of the codes, no
+            # pass over x for a layer that reads its input alone, as fc1 and fc2 do).
+            own = writes_own_codes(x, w, dims, pruning) and shared.first_reader(source, x, pruning)
+            blocks = None if own else shared.blocks(source, x, pruning, key)
         return pruned_dot_general(x, w, dims, pruning=pruning, key=key, blocks=blocks, precision=precision)
 
     return dot_general

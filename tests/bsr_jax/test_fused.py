@@ -5,7 +5,10 @@ References: the ``xla`` backend on the same residual (the same codes, so the sam
 summation order), ``jax.grad`` of the dense layer (y to f32 rounding, dx exact), and the compiled
 H100 program's own text and peak."""
 
+import dataclasses
+
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -91,3 +94,30 @@ def test_on_tpu_the_kernels_keep_what_the_unfused_path_keeps_and_xla_times_the_s
     fused_step = bsr_jax.compiled_memory(_step("fused", ROWS["int8"]), *shapes, target="tpu-v5p")
     unfused = bsr_jax.compiled_memory(_step("xla", ROWS["int8"]), *shapes, target="tpu-v5p")
     assert fused_step.optimal_seconds is not None and fused_step.peak <= unfused.peak
+
+
+class _SharedInput(nn.Module):
+    """q, k and v read one input; fc reads its own (as a transformer block's MLP does)."""
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(256, name=name)(x) for name in ("q", "k", "v"))
+        return nn.Dense(256, name="fc")(jax.nn.gelu(q * k + v))
+
+
+def test_through_compress_model_a_layer_reading_its_input_alone_writes_its_own_codes():
+    # compress_model compresses an input once for all the layers reading it; a layer whose GEMM
+    # writes the codes itself needs no such pass: its first reader keeps its own, the rest share.
+    model = _SharedInput()
+    x = bf16_exact_normal(jax.random.key(0), (256, 256), jnp.bfloat16)
+    params = model.init(jax.random.key(1), x)
+
+    def grads(backend):
+        compressed = bsr_jax.compress_model(model, [bsr_jax.Rule("*", dataclasses.replace(ROWS["int8"], backend=backend))], lean=False)
+        return jax.grad(lambda p, x: jnp.sum(compressed.apply(p, x).astype(jnp.float32) ** 2))
+
+    text = jax.jit(grads("fused")).trace(params, x).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("matmul_quantizing_tpu") == 2  # q (k and v share one compression of x) and fc
+    assert text.count("quantized_t_matmul_tpu") == 4
+    fused_grads, xla_grads = jax.jit(grads("fused"))(params, x), jax.jit(grads("xla"))(params, x)
+    chex.assert_trees_all_close(fused_grads, xla_grads, rtol=0.05, atol=0.05)  # the same codes; y in the kernel's f32 order, in bf16
