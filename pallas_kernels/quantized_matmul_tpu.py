@@ -71,6 +71,13 @@ def shape_error(m: int, k: int, n: int, storage: str, tile: int = TILE, itemsize
     return None
 
 
+def weight_rereads(m: int, k: int, n: int, tile: int = TILE, itemsize: int = 2) -> float:
+    """What ``matmul_quantizing`` reads of w beyond once (it reads all of w per row tile), in reads
+    of x: large where N is wide for the rows VMEM allows (ViT-B/16's fc1 in f32: 24)."""
+    bm = _rows(m, k, tile, n, itemsize)
+    return (pl.cdiv(m, bm) - 1) * n / m if bm else float("inf")
+
+
 def _quantizing_kernel(x_ref, w_ref, y_ref, codes_ref, scales_ref, acc_ref, *, limit, precision):
     k = pl.program_id(1)
     x = x_ref[...]

@@ -10,7 +10,8 @@ compile with Triton; for the CPU they run in the Pallas interpreter (for tests: 
 int8 layers run ``pallas_kernels.quantized_matmul_tpu``'s Mosaic kernels where they take the
 shapes. For layers the kernels do not take (``why_not``: other storage; K not a multiple of 128, or
 below it and not a power of two from 16, or int4 below it; M or N not a multiple of 16; on TPU
-int4, and ``quantized_matmul_tpu.shape_error``'s), the layer runs the unfused path of the
+int4, ``quantized_matmul_tpu.shape_error``'s, and forward GEMMs re-reading w more than
+``REREADS`` reads of x), the layer runs the unfused path of the
 platform's default backend, which stores the same codes. The forward
 GEMM accumulates in f32 as XLA's does but in its own order: y equals the dense layer's up to f32
 rounding, not bit for bit. Never run on a GPU or TPU yet: deviceless compiles only.
@@ -32,6 +33,11 @@ from bsr_jax.storage.pruning import Pruning
 from bsr_jax.storage.quantize import whole_rows
 
 BLOCK = (1, pallas_kernels.quantized_matmul.TILE)
+# On TPU the forward kernel reads all of w once per row tile; past this many reads of x in re-reads
+# of w, XLA's dot and quantize passes are left the layer. Set between what was measured: ResMLP-S12's
+# layers (at most 2.8) made its step faster (docs/RESULTS.md 14.2), ViT-B/16's (6 to 24, f32 with
+# N up to 3072: few rows a program) made its step slower, 2.24x -> 2.79x of dense's (14.3).
+REREADS = 4.0
 
 
 def _format_error(pruning: Pruning) -> str | None:
@@ -69,7 +75,8 @@ def forward(x: jax.Array, w: jax.Array, pruning: Pruning, precision: lax.Precisi
         return y, stored_as(codes, scales)
 
     def tpu_kernels(x, w):
-        if _tpu_error(x.shape[0], x.shape[1], w.shape[1], pruning.storage_dtype, x.dtype):
+        (m, k), n = x.shape, w.shape[1]
+        if _tpu_error(m, k, n, pruning.storage_dtype, x.dtype) or quantized_matmul_tpu.weight_rereads(m, k, n, _tile(k), x.dtype.itemsize) > REREADS:
             return unfused(x, w)  # the same codes, by XLA's passes
         y, codes, scales = quantized_matmul_tpu.matmul_quantizing(x, w, storage=pruning.storage_dtype, tile=stored.block[1], precision=precision)
         return y, stored_as(codes, scales)

@@ -17,6 +17,7 @@ from numerics import assert_close_scaled, bf16_exact_normal
 import bsr_jax
 from bsr_jax import Pruning
 from bsr_jax.backends import fused
+from pallas_kernels import quantized_matmul_tpu
 
 ROWS = {s: Pruning(0.0, block=(1, 128), storage_dtype=s) for s in ("int8", "int4")}
 
@@ -121,3 +122,13 @@ def test_through_compress_model_a_layer_reading_its_input_alone_writes_its_own_c
     assert text.count("quantized_t_matmul_tpu") == 4
     fused_grads, xla_grads = jax.jit(grads("fused"))(params, x), jax.jit(grads("xla"))(params, x)
     chex.assert_trees_all_close(fused_grads, xla_grads, rtol=0.05, atol=0.05)  # the same codes; y in the kernel's f32 order, in bf16
+
+
+def test_on_tpu_a_forward_gemm_that_would_reread_w_too_often_is_left_to_xla():
+    # f32, N 2048: 256 rows a program fit VMEM, so w would be read 4 times for 1024 rows (3 re-reads
+    # of 2048 columns = 6 reads of x): XLA's dot and passes write the codes, the dW kernel reads them.
+    x, w = jax.ShapeDtypeStruct((1024, 256), jnp.float32), jax.ShapeDtypeStruct((256, 2048), jnp.float32)
+    assert quantized_matmul_tpu.weight_rereads(1024, 256, 2048, 128, 4) > fused.REREADS
+    grad = jax.grad(lambda x, w: jnp.sum(bsr_jax.bsr_linear(x, w, pruning=ROWS["int8"], backend="fused") ** 2), argnums=1)
+    text = jax.jit(grad).trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
+    assert "matmul_quantizing_tpu" not in text and text.count("quantized_t_matmul_tpu") == 1
