@@ -75,13 +75,19 @@ def forward(x: jax.Array, w: jax.Array, pruning: Pruning, precision: lax.Precisi
         return y, stored_as(codes, scales)
 
     def tpu_kernels(x, w):
-        (m, k), n = x.shape, w.shape[1]
-        if _tpu_error(m, k, n, pruning.storage_dtype, x.dtype) or quantized_matmul_tpu.weight_rereads(m, k, n, _tile(k), x.dtype.itemsize) > REREADS:
+        if not tpu_forward_runs(pruning, x, w):
             return unfused(x, w)  # the same codes, by XLA's passes
         y, codes, scales = quantized_matmul_tpu.matmul_quantizing(x, w, storage=pruning.storage_dtype, tile=stored.block[1], precision=precision)
         return y, stored_as(codes, scales)
 
     return platforms.by_lowering_platform(kernels, {"tpu": tpu_kernels}, x, w)
+
+
+def tpu_forward_runs(pruning: Pruning, x: jax.Array, w: jax.Array) -> bool:
+    """Whether, lowered for a TPU, ``forward`` runs the Mosaic kernel for ``x (M, K) @ w (K, N)``
+    (the layer the kernels take, ``why_not``, and w re-read at most ``REREADS`` reads of x)."""
+    (m, k), n = x.shape, w.shape[1]
+    return not _tpu_error(m, k, n, pruning.storage_dtype, x.dtype) and quantized_matmul_tpu.weight_rereads(m, k, n, _tile(k), x.dtype.itemsize) <= REREADS
 
 
 def _tpu_error(m: int, k: int, n: int, storage: str, dtype) -> str | None:

@@ -116,11 +116,14 @@ _dot_with_blocks.defvjp(_dot_with_blocks_fwd, _pruned_dot_vjp)
 
 def writes_own_codes(x: jax.Array, w: jax.Array, dims: Dims, pruning: Pruning, backend: str | None = None) -> bool:
     """Whether ``pruned_dot_general`` without ``blocks`` would have its forward GEMM write x's codes
-    (the ``fused`` backend's kernels take the layer): then compressing x apart costs a pass of its own."""
+    on every platform it may be lowered for (the ``fused`` backend's kernels take the layer on GPU
+    and TPU): then compressing x apart costs a pass of its own. Where the TPU kernel would not run,
+    the layer's own codes would be XLA's pass there, a second one beside a shared compression."""
     contracted = len(dims[0][0])
     x2 = merge_contracted(x, contracted)
     rows, w2 = x2.reshape(-1, x2.shape[-1]), w.reshape(x2.shape[-1], -1)
-    return backends.resolve_backend(backend, pruning.backend) == "fused" and pruning.saves_memory(x2) and fused.why_not(pruning, rows, w2) is None
+    return (backends.resolve_backend(backend, pruning.backend) == "fused" and pruning.saves_memory(x2)
+            and fused.why_not(pruning, rows, w2) is None and fused.tpu_forward_runs(pruning, rows, w2))  # fmt: skip
 
 
 def pruned_dot_general(

@@ -128,9 +128,9 @@ def _compressing_dot_general(pruning: Pruning, key, shared: _SharedBlocks | None
         # Shared blocks are computed in the forward pass, so they need the key there; a stochastic
         # layer without one keeps its own (which raises if it is differentiated).
         if shared is not None and source is not None and len(dims[0][0]) == 1 and pruning.saves_memory(x2) and (key is not None or not pruning.needs_key):
-            # Where the layer's GEMM writes x's codes itself (fused kernels), its first reader keeps
-            # its own; the others share one compression of x (q/k/v: two copies of the codes, no
-            # pass over x for a layer that reads its input alone, as fc1 and fc2 do).
+            # Where the layer's GEMM writes x's codes itself (fused kernels, on GPU and TPU), its
+            # first reader keeps its own; the others share one compression of x (q/k/v: two copies
+            # of the codes, no pass over x for a layer that reads its input alone, as fc2 does).
             own = writes_own_codes(x, w, dims, pruning) and shared.first_reader(source, x, pruning)
             blocks = None if own else shared.blocks(source, x, pruning, key)
         return pruned_dot_general(x, w, dims, pruning=pruning, key=key, blocks=blocks, precision=precision)
