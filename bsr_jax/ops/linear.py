@@ -63,11 +63,16 @@ def _pruned_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, config: _Conf
     return _dot(x, w, config)
 
 
+def _matrices(x: jax.Array, w: jax.Array, contracted: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x with its contracted axes merged, and the ``(M, K) @ (K, N)`` the kernels see."""
+    x2 = merge_contracted(x, contracted)
+    return x2, x2.reshape(-1, x2.shape[-1]), w.reshape(x2.shape[-1], -1)
+
+
 def _pruned_dot_fwd(x, w, key, config):
     # The dense x is deliberately not a residual: only its kept blocks (and w, needed for dx) are.
     contracted = len(config.dims[0][0])
-    x2 = merge_contracted(x, contracted)
-    rows, w2 = x2.reshape(-1, x2.shape[-1]), w.reshape(x2.shape[-1], -1)  # the (M, K) @ (K, N) the kernels see
+    x2, rows, w2 = _matrices(x, w, contracted)
     if config.backend == "fused" and fused.why_not(config.pruning, rows, w2) is None:
         unfused = lambda x, w: (lax.dot_general(x, w, linear_dims(2), precision=config.precision), config.pruning.compress(x))  # noqa: E731
         y2, blocks = fused.forward(rows, w2, config.pruning, config.precision, unfused)
@@ -119,9 +124,7 @@ def writes_own_codes(x: jax.Array, w: jax.Array, dims: Dims, pruning: Pruning, b
     on every platform it may be lowered for (the ``fused`` backend's kernels take the layer on GPU
     and TPU): then compressing x apart costs a pass of its own. Where the TPU kernel would not run,
     the layer's own codes would be XLA's pass there, a second one beside a shared compression."""
-    contracted = len(dims[0][0])
-    x2 = merge_contracted(x, contracted)
-    rows, w2 = x2.reshape(-1, x2.shape[-1]), w.reshape(x2.shape[-1], -1)
+    x2, rows, w2 = _matrices(x, w, len(dims[0][0]))
     return (backends.resolve_backend(backend, pruning.backend) == "fused" and pruning.saves_memory(x2)
             and fused.why_not(pruning, rows, w2) is None and fused.tpu_forward_runs(pruning, rows, w2))  # fmt: skip
 

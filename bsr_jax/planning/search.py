@@ -319,6 +319,16 @@ def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants
     each, until ``verify`` fit, ``2 * verify`` were compiled, or its fastest is one compiled already
     (one over ``limit`` asks it for that much less)."""
     fits, tried, asked = 0, 0, limit
+
+    def calibrated(key: tuple) -> Measured:
+        # Each compiled step calibrates the model: its last block's option's base (peaks are not
+        # additive: XLA reschedules, and the backward's first block holds what it recomputes).
+        # One XLA refused (more than the device holds) teaches nothing; solved again, it is cached: the loop ends.
+        measured = search.measure(*key, predicted=model.predict(key))
+        if measured.compiled:
+            model.observe(key, measured.peak, measured.seconds)
+        return measured
+
     # Keep and remat are measured on every block (the dense step, remat on every block); the other
     # options on the blocks the probes gave them, the rest extrapolated. Where blocks differ (ResNet-50's
     # stages) that extrapolation misled the solver: on TPU v5p at 0.7 it found 1.16x where keep and
@@ -327,9 +337,7 @@ def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants
     if verify and measured_everywhere and len(measured_everywhere) < len(names):
         key = model.solve(limit, measured_everywhere, variants)
         if key is not None and key not in search.cache:
-            measured = search.measure(*key, predicted=model.predict(key))
-            if measured.compiled:
-                model.observe(key, measured.peak, measured.seconds)
+            calibrated(key)
     while fits < verify and tried < 2 * verify:
         key = model.solve(asked, names, variants)
         compiled = search.cache[key][0] if key in search.cache else None
@@ -341,12 +349,7 @@ def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants
         if key is None or key in search.cache:
             break  # nothing predicted fits, or the model's fastest was compiled already
         compiled_before = len(search.programs)
-        measured = search.measure(*key, predicted=model.predict(key))
-        # Each compiled step calibrates the model: its last block's option's base (peaks are not
-        # additive: XLA reschedules, and the backward's first block holds what it recomputes).
-        # One XLA refused (more than the device holds) teaches nothing; solved again, it is cached: the loop ends.
-        if measured.compiled:
-            model.observe(key, measured.peak, measured.seconds)
+        measured = calibrated(key)
         tried += len(search.programs) > compiled_before
         fits += measured.compiled and measured.peak <= limit
 

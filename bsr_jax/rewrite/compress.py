@@ -91,11 +91,14 @@ class _SharedBlocks:
     # from the second reader on, so a layer that is its input's only reader needs no pass over it.
     first: dict[tuple[int, str, Pruning], Any] = dataclasses.field(default_factory=dict)
 
+    @staticmethod
+    def _key(source: Any, x: jax.Array, pruning: Pruning) -> tuple[int, str, Pruning]:
+        return id(source), str(x.dtype), pruning
+
     def first_reader(self, source: Any, x: jax.Array, pruning: Pruning) -> bool:
         """True the first time ``source`` is read under ``pruning`` (recorded)."""
-        cache_key = (id(source), str(x.dtype), pruning)
-        entry = self.first.get(cache_key)
-        if entry is not None and entry is source:
+        cache_key = self._key(source, x, pruning)
+        if self.first.get(cache_key) is source:
             return False
         self.first[cache_key] = source
         return True
@@ -103,7 +106,7 @@ class _SharedBlocks:
     def blocks(self, source: Any, x: jax.Array, pruning: Pruning, key: jax.Array | None) -> BlockSparse:
         """Blocks of ``x``, the product's operand made from the module input ``source`` (the same
         object for every layer reading it; ``x`` may be a fresh dtype-promoted copy)."""
-        cache_key = (id(source), str(x.dtype), pruning)
+        cache_key = self._key(source, x, pruning)
         entry = self.cache.get(cache_key)
         if entry is None or entry[0] is not source:
             flat = jax.lax.stop_gradient(x.reshape(-1, x.shape[-1]))
