@@ -86,7 +86,22 @@ def learnt_blocks(n: int) -> int:
     return max(n - 2, 1)
 
 
-def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tuple[str, str]], known: Sequence[str] = ("keep", "remat")) -> list[Key]:
+# The options the dense step and remat on every block measure on every block: the rest are measured
+# by probes on some blocks and extrapolated.
+MEASURED_EVERYWHERE = ("keep", "remat")
+
+
+def others(key: Key) -> frozenset[str]:
+    """What ``key`` chooses beyond ``MEASURED_EVERYWHERE``, the kept rest and the plain loss: its
+    options measured on some blocks only, and its rest's and loss's choices (as ``rest:...`` and
+    ``loss:...``)."""
+    choices, rest, loss = key
+    return frozenset({c for c in choices if c not in MEASURED_EVERYWHERE} | ({f"rest:{rest}"} if rest != "keep" else set())
+                     | ({f"loss:{loss}"} if loss != "plain" else set()))  # fmt: skip
+
+
+def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tuple[str, str]],
+           known: Sequence[str] = MEASURED_EVERYWHERE) -> list[Key]:  # fmt: skip
     """Steps that, with the dense one and remat on every block, measure every option on some
     block and every (rest, loss) variant once: the options not ``known`` assigned to the blocks in
     turn, round after round, each round with the next variant (then the rest kept)."""
@@ -118,12 +133,14 @@ class CostModel:
     step that had that option on the last block (its least ``peak - kept``: dense gives
     ``keep``'s, remat on every block ``remat``'s), and an option never compiled there takes
     ``keep``'s (``_base``); ``h`` from the compiled steps the first term does not
-    explain (the largest ``peak`` less everything the blocks keep; none: no second term).
+    explain (``peak`` less everything the blocks keep; none: no second term), held against the
+    steps that share their choices beyond the options measured on every block (``_h``).
 
     The time is ``base + max(kernels, host copies)``, each the seconds of every block's option
     and the rest's summed (the roofline's step is the larger: host copies overlap the kernels),
     ``base`` averaged over the compiled steps. A block never measured with an option takes it
-    from the block measured with it whose ``keep`` keeps the most alike, scaled by their ratio."""
+    from the block measured with it whose ``keep`` keeps the most alike, mapped by the line through
+    the two blocks' ``keep`` and ``remat`` figures (``_value``)."""
 
     def __init__(self, blocks: Sequence[str]):
         self.blocks = tuple(blocks)
@@ -157,10 +174,17 @@ class CostModel:
         if (block, "keep") not in table:  # a block not learnt from (the second-to-last): as the nearest before it
             return float(np.mean(table[(measured[-1], option)]))
         keep = {b: float(np.mean(table[(b, "keep")])) for b in [*measured, block]}
-        # The nearest block by its keep figure (bytes or seconds: scale-free), and their ratio.
+        # The nearest block by its keep figure (bytes or seconds: scale-free).
         tiny = 1e-9 * max(keep.values(), default=0.0) or 1e-30
         like = min(measured, key=lambda b: abs(math.log((keep[b] + tiny) / (keep[block] + tiny))))
-        return float(np.mean(table[(like, option)])) * (keep[block] + tiny) / (keep[like] + tiny)
+        theirs = float(np.mean(table[(like, option)]))
+        remat = {b: float(np.mean(table[(b, "remat")])) for b in (like, block) if (b, "remat") in table}
+        if len(remat) == 2 and abs(keep[like] - remat[like]) > tiny:
+            # The line through both blocks' keep and remat figures: their ratio where blocks differ in
+            # size (ResNet's stages), and what one block holds under every option but keep beside
+            # (the LM's first block: 128 MiB more under remat, lean, int8, ..., 24 more under keep).
+            return remat[block] + (theirs - remat[like]) * (keep[block] - remat[block]) / (keep[like] - remat[like])
+        return theirs * (keep[block] + tiny) / (keep[like] + tiny)  # their ratio
 
     def _rest(self, rest: str, loss: str) -> tuple[float, float, float]:
         """What the rest's and the loss's choice keeps, and its kernels' and host copies' seconds,
@@ -178,23 +202,34 @@ class CostModel:
         host = sum(self._value(self.host, b, c) for b, c in zip(self.blocks, choices))
         return kept + extra[0], device + extra[1], host + extra[2]
 
-    def _bases(self) -> tuple[dict[str, float], float, float]:
+    def _bases(self) -> tuple[dict[str, float], list[tuple[frozenset[str], float]], float]:
         """From the compiled steps: per option of the last block, ``a`` of the peak's first term;
-        ``h`` of its second (``-inf`` until a step showed it); the time's base."""
+        per step its second explains, ``h`` and what that step chose beyond the options measured
+        everywhere (``others``; see ``_h``); the time's base."""
         seen = []
         times = []
         for key, (peak, seconds) in self.steps.items():
             try:
                 kept, device, host = self._sums(key)
-                seen.append((key[0][-1], kept, kept + self._value(self.kept, self.blocks[-1], key[0][-1]), peak))
+                seen.append((key, kept, kept + self._value(self.kept, self.blocks[-1], key[0][-1]), peak))
             except KeyError:  # a step with an option measured nowhere else (only where nothing is learnt)
                 continue
             times.append(seconds - max(device, host))
         bases: dict[str, float] = {}
-        for last, before, _, peak in seen:
-            bases[last] = min(bases.get(last, math.inf), peak - before)
-        above = [peak - every for last, before, every, peak in seen if peak > before + bases[last] + 0.01 * peak]
-        return bases, max(above, default=-math.inf), float(np.mean(times)) if times else 0.0
+        for key, before, _, peak in seen:
+            bases[key[0][-1]] = min(bases.get(key[0][-1], math.inf), peak - before)
+        above = [(others(key), peak - every) for key, before, every, peak in seen if peak > before + bases[key[0][-1]] + 0.01 * peak]
+        return bases, above, float(np.mean(times)) if times else 0.0
+
+    @staticmethod
+    def _h(above: Sequence[tuple[frozenset[str], float]], chosen: frozenset[str]) -> float:
+        """The second term's ``h`` for a step that chooses ``chosen`` beyond the options measured
+        everywhere (``others``): the largest of the compiled steps that chose nothing beyond them
+        (the head's backward with every residual live, a term of the step) or something it
+        chooses too (a term of those choices: on the 12 x 768 LM at 0.2, three ``int4-fused``
+        blocks among remat ones compiled 527 MiB over their prediction, which, held against every
+        step, barred one ``remat-dots`` block the budget had room for); ``-inf`` where none."""
+        return max((h for theirs, h in above if not theirs or theirs & chosen), default=-math.inf)
 
     def _base(self, bases: Mapping[str, float], option: str) -> float:
         """``bases[option]``, or for an option no compiled step had on the last block, ``keep``'s:
@@ -205,12 +240,13 @@ class CostModel:
         predicted 4,879: every first candidate with it last was over its budget."""
         return bases.get(option, bases["keep"])
 
-    def predict(self, key: Key, bases: tuple[dict[str, float], float, float] | None = None) -> tuple[float, float]:
+    def predict(self, key: Key, bases: tuple[dict[str, float], list[tuple[frozenset[str], float]], float] | None = None) -> tuple[float, float]:
         """(peak bytes, seconds) of the step ``key`` as the model composes it (``bases``: ``_bases()``,
         where the caller has them)."""
-        bases, h, time = bases or self._bases()
+        bases, above, time = bases or self._bases()
         kept, device, host = self._sums(key)
         last = key[0][-1]
+        h = self._h(above, others(key))
         # The host copies overlap the kernels (the roofline's step is the larger of the two).
         return max(kept + self._base(bases, last), kept + self._value(self.kept, self.blocks[-1], last) + h), time + max(device, host)
 
@@ -218,24 +254,34 @@ class CostModel:
         """The assignment of ``options`` to the blocks, with one of ``variants`` (rest, loss), of
         least predicted time whose predicted peak is at most ``limit``; None where none is."""
         fitted = self._bases()
-        bases, h, _ = fitted
+        bases, above, _ = fitted
         head = self.blocks[:-1]
-        weights = [[self._value(self.kept, b, o) for o in options] for b in head]
+        weights = {o: [self._value(self.kept, b, o) for b in head] for o in options}
         # Ranked by kernels and host copies added (the sum the knapsack can carry; pessimistic for
         # offloading), then the best per last option and variant by the predicted time.
-        costs = [[self._value(self.device, b, o) + self._value(self.host, b, o) for o in options] for b in head]
+        costs = {o: [self._value(self.device, b, o) + self._value(self.host, b, o) for b in head] for o in options}
         best: tuple[float, Key] | None = None
-        for (rest, loss), last in itertools.product(variants, options):
-            extra = self._rest(rest, loss)
-            # Both terms of the peak bound what the blocks before the last may keep.
-            room = limit - extra[0] - max(self._base(bases, last), self._value(self.kept, self.blocks[-1], last) + h)
-            found = knapsack(weights, costs, room, resolution) if head else ([] if room >= 0 else None)
-            if found is None:
-                continue
-            key = (tuple(options[i] for i in found) + (last,), rest, loss)
-            seconds = self.predict(key, fitted)[1]
-            if best is None or seconds < best[0]:
-                best = (seconds, key)
+        # ``h`` depends on the choices (``_h``): solved once per level of it, without the choices of
+        # the steps that showed a larger one.
+        clean = self._h(above, frozenset())
+        for h in sorted({clean} | {v for _, v in above if v > clean}):
+            barred = frozenset().union(*(theirs for theirs, v in above if v > h))
+            allowed = [o for o in options if o not in barred]
+            for (rest, loss), last in itertools.product(variants, allowed):
+                if others(((), rest, loss)) & barred:
+                    continue
+                extra = self._rest(rest, loss)
+                # Both terms of the peak bound what the blocks before the last may keep.
+                room = limit - extra[0] - max(self._base(bases, last), self._value(self.kept, self.blocks[-1], last) + h)
+                found = (knapsack([[weights[o][i] for o in allowed] for i in range(len(head))],
+                                  [[costs[o][i] for o in allowed] for i in range(len(head))], room, resolution)
+                         if head else ([] if room >= 0 else None))  # fmt: skip
+                if found is None:
+                    continue
+                key = (tuple(allowed[i] for i in found) + (last,), rest, loss)
+                seconds = self.predict(key, fitted)[1]
+                if best is None or seconds < best[0]:
+                    best = (seconds, key)
         return best and best[1]
 
 

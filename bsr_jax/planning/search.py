@@ -55,7 +55,7 @@ from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
 from bsr_jax.planning import placement
 from bsr_jax.planning.candidates import Candidates, Family, traced_on
-from bsr_jax.planning.cost import CostModel, probes, shares
+from bsr_jax.planning.cost import MEASURED_EVERYWHERE, CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
@@ -333,7 +333,7 @@ def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants
     # options on the blocks the probes gave them, the rest extrapolated. Where blocks differ (ResNet-50's
     # stages) that extrapolation misled the solver: on TPU v5p at 0.7 it found 1.16x where keep and
     # remat alone give 1.09x. So the best of those two, predicted from measurements only, is compiled too.
-    measured_everywhere = [o for o in ("keep", "remat") if o in names]
+    measured_everywhere = [o for o in MEASURED_EVERYWHERE if o in names]
     if verify and measured_everywhere and len(measured_everywhere) < len(names):
         key = model.solve(limit, measured_everywhere, variants)
         if key is not None and key not in search.cache:
