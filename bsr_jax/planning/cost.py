@@ -101,12 +101,11 @@ def others(key: Key) -> frozenset[str]:
 
 
 def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tuple[str, str]],
-           known: Sequence[str] = MEASURED_EVERYWHERE, apart: Sequence[str] = ()) -> list[Key]:  # fmt: skip
+           known: Sequence[str] = MEASURED_EVERYWHERE) -> list[Key]:  # fmt: skip
     """Steps that, with the dense one and remat on every block, measure every option on some
     block and every (rest, loss) variant once: the options not ``known`` assigned to the blocks in
-    turn, round after round, each round with the next variant (then the rest kept); each option
-    ``apart`` on every block in a step of its own, the rest kept."""
-    todo = [o for o in options if o not in known and o not in apart]
+    turn, round after round, each round with the next variant (then the rest kept)."""
+    todo = [o for o in options if o not in known]
     # Each option on a block CostModel learns bytes from, in turn.
     learnt = learnt_blocks(len(blocks))
     rounds = max(math.ceil(len(todo) / learnt), len(variants))
@@ -115,7 +114,7 @@ def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tup
         choices = tuple(todo[(r * learnt + i) % len(todo)] for i in range(len(blocks))) if todo else ("remat",) * len(blocks)
         rest, loss = variants[r] if r < len(variants) else ("keep", "plain")
         found.append((choices, rest, loss))
-    return found + [((o,) * len(blocks), "keep", "plain") for o in options if o in apart and o not in known]
+    return found
 
 
 class CostModel:

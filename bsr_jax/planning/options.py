@@ -25,9 +25,7 @@ class Option:
     approximate-dx format, or a remat policy (``remat=True``: the whole block under
     ``jax.checkpoint(policy=policy)``, ``policy=None`` keeping nothing). ``approximation``: what
     the option changes in the gradients and its documented error (``None``: exact). ``opt_in``:
-    searched only where named in ``plan``'s ``options`` (each option searched costs compiles).
-    ``untimed_on_tpu``: XLA:TPU's cost model times no step holding it, so on TPU it is probed in a
-    step of its own and the shared probe's times stay XLA's (``bsr_jax.planning.cost.probes``)."""
+    searched only where named in ``plan``'s ``options`` (each option searched costs compiles)."""
 
     compression: Pruning | None = None
     lean: bool = True
@@ -36,7 +34,6 @@ class Option:
     policy: Callable[..., bool] | None = None
     approximation: str | None = None
     opt_in: bool = False
-    untimed_on_tpu: bool = False
 
     @property
     def exact(self) -> bool:
@@ -67,10 +64,7 @@ OPTIONS: Mapping[str, Option] = {
     "int8": Option(Pruning(0.0, block=16, storage_dtype="int8"), approximation="dW from int8 inputs, error 0.002-0.013 (docs/RESULTS.md 3b)"),
     "int4": Option(_INT4, approximation=_DW_INT4),
     "int4-dx8": Option(_INT4, dx="int8", approximation=f"{_DW_INT4}; dx from int8 inputs, error up to 0.014 (docs/memory.md 1.2)"),
-    # ViT-B/16 on TPU v5p: 12xtopk untimed, 12xint4 and 12xlean timed; the probe of every option
-    # untimed with topk among them (its times then the roofline's, 2.4x short on int4), timed without.
-    "topk": Option(Pruning(0.7, block=16), approximation="dW from the top 30% of blocks, biased: 55% of its norm lost (docs/RESULTS.md 3)",
-                   untimed_on_tpu=True),
+    "topk": Option(Pruning(0.7, block=16), approximation="dW from the top 30% of blocks, biased: 55% of its norm lost (docs/RESULTS.md 3)"),
     # int4 in 1 x 128 blocks through the fused kernels (GPU: the forward GEMM writes the
     # codes, dW's reads them; TPU: the unfused path, the same codes).
     "int4-fused": Option(Pruning(0.0, block=(1, 128), storage_dtype="int4", backend="fused"),

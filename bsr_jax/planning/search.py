@@ -243,8 +243,7 @@ def _search(family: Family, search: Candidates, loss_fns: Mapping[str, Callable[
     # not fit: lowered while it compiles (lowering is Python, compiling is XLA's threads), compiled
     # only once it does not fit.
     only_dense = len(names) == 1 and len(variants) == 1  # options=["keep"], rest kept, no chunked loss
-    apart = [o for o in names if OPTIONS[o].untimed_on_tpu] if target == "tpu-v5p" else []
-    measuring = [] if only_dense else [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")], apart=apart)]
+    measuring = [] if only_dense else [(("remat",) * n, "keep", "plain"), *probes(blocks, names, [v for v in variants if v != ("keep", "plain")])]
     cold = bool(search.lower([(("keep",) * n, "keep", "plain")]))  # the dense step is not compiled yet
     search.prefetch([(("keep",) * n, "keep", "plain")], breakdown=True)
     if cold:  # nothing to overlap with where it is: lowered when needed (where the dense step fits, never)

@@ -58,22 +58,6 @@ def test_probes_measure_every_option_and_variant():
     assert cost.probes(blocks, ["keep", "remat"], []) == []  # the dense step and remat measure both
 
 
-def test_an_option_xla_tpu_cannot_time_is_probed_apart_on_tpu():
-    """XLA:TPU's cost model timed no step holding topk (ViT-B/16); with topk in the shared probe, every
-    option's time there was the roofline's, 2.4x short on int4: a candidate predicted 18.10 ms compiled
-    at 42.99. On TPU such an option gets a probe of its own; elsewhere the probes are as before."""
-    from bsr_jax.planning.options import OPTIONS
-
-    blocks = [f"b{i}" for i in range(4)]
-    options = ["keep", "lean", "int4", "topk", "remat"]
-    assert OPTIONS["topk"].untimed_on_tpu and not OPTIONS["int4"].untimed_on_tpu
-    found = cost.probes(blocks, options, [], apart=["topk"])
-    assert found == [(("lean", "int4", "lean", "int4"), "keep", "plain"), (("topk",) * 4, "keep", "plain")]
-    assert all("topk" not in choices for choices, _, _ in cost.probes(blocks, options, [("lean", "plain")], apart=["topk"])[:-1])
-    shared = cost.probes(blocks, options, [])  # elsewhere: topk among the others, no probe of its own
-    assert any("topk" in choices and "int4" in choices for choices, _, _ in shared) and (("topk",) * 4, "keep", "plain") not in shared
-
-
 def _step(live, kernels, seconds, roofline_seconds=None):
     return CompiledStep(target="h100", peak=sum(b for _, b in live), temp=0, arguments=0, outputs=0, aliased=0, flops=None,
                         optimal_seconds=None, modelled_seconds=seconds, roofline_seconds=roofline_seconds or seconds,
