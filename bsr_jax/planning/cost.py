@@ -91,21 +91,24 @@ def learnt_blocks(n: int) -> int:
 MEASURED_EVERYWHERE = ("keep", "remat")
 
 
+def _variant(rest: str, loss: str) -> frozenset[str]:
+    """The rest's and the loss's choices beyond the kept rest and the plain loss, as ``rest:...``
+    and ``loss:...``."""
+    return frozenset(({f"rest:{rest}"} if rest != "keep" else set()) | ({f"loss:{loss}"} if loss != "plain" else set()))
+
+
 def others(key: Key) -> frozenset[str]:
     """What ``key`` chooses beyond ``MEASURED_EVERYWHERE``, the kept rest and the plain loss: its
-    options measured on some blocks only, and its rest's and loss's choices (as ``rest:...`` and
-    ``loss:...``)."""
+    options measured on some blocks only, and its rest's and loss's choices (``_variant``)."""
     choices, rest, loss = key
-    return frozenset({c for c in choices if c not in MEASURED_EVERYWHERE} | ({f"rest:{rest}"} if rest != "keep" else set())
-                     | ({f"loss:{loss}"} if loss != "plain" else set()))  # fmt: skip
+    return frozenset(c for c in choices if c not in MEASURED_EVERYWHERE) | _variant(rest, loss)
 
 
-def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tuple[str, str]],
-           known: Sequence[str] = MEASURED_EVERYWHERE) -> list[Key]:  # fmt: skip
+def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tuple[str, str]]) -> list[Key]:
     """Steps that, with the dense one and remat on every block, measure every option on some
-    block and every (rest, loss) variant once: the options not ``known`` assigned to the blocks in
-    turn, round after round, each round with the next variant (then the rest kept)."""
-    todo = [o for o in options if o not in known]
+    block and every (rest, loss) variant once: the options not ``MEASURED_EVERYWHERE`` assigned to
+    the blocks in turn, round after round, each round with the next variant (then the rest kept)."""
+    todo = [o for o in options if o not in MEASURED_EVERYWHERE]
     # Each option on a block CostModel learns bytes from, in turn.
     learnt = learnt_blocks(len(blocks))
     rounds = max(math.ceil(len(todo) / learnt), len(variants))
@@ -267,15 +270,14 @@ class CostModel:
         for h in sorted({clean} | {v for _, v in above if v > clean}):
             barred = frozenset().union(*(theirs for theirs, v in above if v > h))
             allowed = [o for o in options if o not in barred]
+            rows = [[weights[o][i] for o in allowed] for i in range(len(head))], [[costs[o][i] for o in allowed] for i in range(len(head))]
             for (rest, loss), last in itertools.product(variants, allowed):
-                if others(((), rest, loss)) & barred:
+                if _variant(rest, loss) & barred:
                     continue
                 extra = self._rest(rest, loss)
                 # Both terms of the peak bound what the blocks before the last may keep.
                 room = limit - extra[0] - max(self._base(bases, last), self._value(self.kept, self.blocks[-1], last) + h)
-                found = (knapsack([[weights[o][i] for o in allowed] for i in range(len(head))],
-                                  [[costs[o][i] for o in allowed] for i in range(len(head))], room, resolution)
-                         if head else ([] if room >= 0 else None))  # fmt: skip
+                found = knapsack(*rows, room, resolution) if head else ([] if room >= 0 else None)
                 if found is None:
                     continue
                 key = (tuple(allowed[i] for i in found) + (last,), rest, loss)
