@@ -13,12 +13,15 @@ the rest (no matmul of a linear layer is recomputed):
 * ``relu`` keeps a 1-bit mask of ``x > 0`` (packed into uint8, 1/32 of an f32 input).
 * these activations also where a linen module holds them as attributes (``act=nn.relu``).
 * ``flax.linen.dot_product_attention`` (called directly, or as the default ``attention_fn`` of
-  ``nn.MultiHeadDotProductAttention`` and its subclasses) runs under ``jax.checkpoint``: it keeps
-  q, k, v, the mask/bias and the dropout key, and recomputes the attention probabilities in the
-  backward pass, as flash attention does; dropout recomputes the same mask from the same key.
+  ``nn.MultiHeadDotProductAttention`` and its subclasses) runs as ``bsr_jax.ops.attention``'s: it
+  keeps q, k, v, the mask/bias, the dropout key, its output and the softmax's row maximum and sum,
+  and the backward recomputes the probabilities from them and takes flash attention's softmax
+  derivative; dropout recomputes the same mask from the same key.
 
-Forward outputs are bit-identical to the unmodified computation (the same Flax/JAX code runs), and
-every gradient is the one plain autodiff gives, up to float reassociation. ``init`` is not changed.
+Forward outputs are bit-identical to the unmodified computation (the same Flax/JAX code runs, or
+for attention the same operations in the same order), and every gradient is the one plain autodiff
+gives, up to float reassociation (attention's: up to float rounding, its softmax derivative formed
+in f32 as flash attention's; ``bsr_jax.ops.attention``). ``init`` is not changed.
 
 How it intercepts: linen modules through ``nn.intercept_methods``; functions called as module
 attributes (``nn.gelu(x)``, ``jax.nn.relu(x)``, ``nnx.silu(x)``, ``nn.dot_product_attention(...)``)
@@ -59,8 +62,10 @@ from flax.linen import attention as linen_attention
 from flax.nnx.nn import activations as nnx_activations
 from jax.ad_checkpoint import checkpoint_name
 
+from bsr_jax.core import layer_choice
 from bsr_jax.core.names import LEAN_NAME
 from bsr_jax.core.patching import ProcessWidePatch
+from bsr_jax.ops import attention as attention_ops
 
 LINEN_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm)
 NNX_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm)
@@ -142,35 +147,35 @@ _LEAN_ACTIVATIONS: tuple[tuple[Callable[..., jax.Array], Callable[..., jax.Array
 # ---- attention ----
 
 _ATTENTION_SIGNATURE = inspect.signature(_dot_product_attention)
-_ATTENTION_ARRAYS = ("query", "key", "value", "bias", "mask", "dropout_rng")
+# Arguments that, given, leave the call as Flax runs it: sown weights, the caller's own products.
+_ATTENTION_OWN_PRODUCTS = ("module", "einsum_dot_general", "qk_attn_weights_einsum", "attn_weights_value_einsum")
 
 
-@functools.wraps(_dot_product_attention)
-def lean_dot_product_attention(*args, **kwargs):
-    """``flax.linen.dot_product_attention`` keeping q, k, v, bias, mask and the dropout key for the
-    backward pass and recomputing the probabilities there (same arguments, bit-identical output).
+def _lean_attention(keep_output: bool) -> Callable[..., jax.Array]:
+    @functools.wraps(_dot_product_attention)  # Flax's signature: MultiHeadDotProductAttention filters its arguments by it
+    def attention(*args, **kwargs):
+        bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+        if [name for name in _ATTENTION_OWN_PRODUCTS if named.pop(name) is not None]:
+            return _dot_product_attention(*args, **kwargs)
+        return attention_ops.dot_product_attention(**named, keep_output=keep_output)
 
-    Arrays: query (..., Tq, H, D), key/value (..., Tk, H, D), bias/mask broadcastable to
-    (..., H, Tq, Tk). With ``module`` given (``sow_weights=True``) the weights are meant to be kept,
-    so the call runs unchanged.
-    """
-    bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
-    bound.apply_defaults()
-    named = dict(bound.arguments)
-    if named["module"] is not None:
-        return _dot_product_attention(**named)
-    arrays = {name: named.pop(name) for name in _ATTENTION_ARRAYS}
-    rng = arrays["dropout_rng"]
-    typed_key = rng is not None and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
-    if typed_key:  # kept as its raw uint32 data: residuals stay plain arrays
-        arrays["dropout_rng"] = jax.random.key_data(rng)
+    return attention
 
-    def attend(arrays):
-        if typed_key:
-            arrays = {**arrays, "dropout_rng": jax.random.wrap_key_data(arrays["dropout_rng"], impl=jax.random.key_impl(rng))}
-        return _dot_product_attention(**arrays, **named)
 
-    return jax.checkpoint(attend)(arrays)
+lean_dot_product_attention = _lean_attention(keep_output=True)
+lean_dot_product_attention.__doc__ = """``flax.linen.dot_product_attention`` keeping q, k, v, bias, mask, the dropout key and the
+output for the backward pass, which recomputes the probabilities and takes flash attention's
+softmax derivative (``bsr_jax.ops.attention``: same arguments, bit-identical output). With
+``module`` given (``sow_weights=True``) the weights are meant to be kept, and with custom einsums or
+a ``dot_general`` the products are the caller's: the call then runs unchanged. Inside
+``nn.MultiHeadDotProductAttention`` whose ``out`` layer a rule compresses, the output is not kept
+(``keep_output=False`` there).
+
+Arrays: query (..., Tq, H, D), key/value (..., Tk, H, D), bias/mask broadcastable to
+(..., H, Tq, Tk).
+"""
 
 
 # ---- norms ----
@@ -206,6 +211,17 @@ def _lean_activation_fields(module: nn.Module) -> Iterator[None]:
             object.__setattr__(module, name, value)
 
 
+def _output_kept_as_is(attention: nn.MultiHeadDotProductAttention) -> bool:
+    """Whether the attention's output projection (its ``out`` layer) keeps its input as it is: then
+    the attention keeps the same array for its backward at no cost; where a rule compresses that
+    layer, keeping it would add its bytes to the peak (``bsr_jax.ops.attention``'s ``keep_output``)."""
+    resolver = layer_choice.active()
+    if resolver is None:
+        return True
+    compression = resolver.resolve(attention, f"{layer_choice.module_path(attention)}/out")
+    return compression is None or compression is layer_choice.NO_MATCH
+
+
 def _linen_interceptor(next_fun, args, kwargs, context):
     if context.method_name != "__call__" or getattr(_local, "inside", False):
         return next_fun(*args, **kwargs)
@@ -217,7 +233,7 @@ def _lean_module_call(next_fun, args, kwargs, module: nn.Module):
     if isinstance(module, nn.MultiHeadDotProductAttention) and module.attention_fn is _dot_product_attention:
         # The default attention_fn was bound when the dataclass was defined, so replacing the
         # module attribute ``nn.dot_product_attention`` does not reach it: swap it for this call.
-        object.__setattr__(module, "attention_fn", lean_dot_product_attention)
+        object.__setattr__(module, "attention_fn", _lean_attention(keep_output=_output_kept_as_is(module)))
         try:
             return next_fun(*args, **kwargs)
         finally:

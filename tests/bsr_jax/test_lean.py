@@ -17,6 +17,9 @@ from bsr_jax.rewrite.lean import lean_neighbours
 from bsr_jax.rewrite.lean_graph import lean_call
 
 TOL = dict(atol=1e-6, rtol=1e-5)  # float reassociation only (recomputed stats, f32)
+# Attention's key bias has a zero gradient in exact arithmetic (softmax ignores a shift per query
+# row): plain autodiff and flash attention's derivative leave different rounding noise there (~5e-6).
+ATTENTION_TOL = dict(atol=2e-5, rtol=1e-5)
 
 
 def normal(shape, seed=0):
@@ -28,7 +31,7 @@ def probe(y, weights):
     return jnp.sum(y * jax.lax.stop_gradient(weights))
 
 
-def compare(fn, params, *args, jit=False):
+def compare(fn, params, *args, jit=False, tol=TOL):
     """fn(params, *args, lean) -> scalar: checks the value's bits and the gradients (params and float
     args), returns the residuals of plain and lean. ``jit``: compiled, as training runs (faster than
     op-by-op for whole models)."""
@@ -41,8 +44,8 @@ def compare(fn, params, *args, jit=False):
     step = transform(jax.value_and_grad(fn, argnums=(0, *floating)))
     plain_value, plain_grads = step(params, *args, False)
     lean_value, lean_grads = step(params, *args, True)
-    chex.assert_trees_all_close(lean_value, plain_value, **TOL)
-    chex.assert_trees_all_close(lean_grads, plain_grads, **TOL)
+    chex.assert_trees_all_close(lean_value, plain_value, **tol)
+    chex.assert_trees_all_close(lean_grads, plain_grads, **tol)
     return tuple(bsr_jax.residual_bytes(lambda p, *a: fn(p, *a, lean), params, *args) for lean in (False, True))
 
 
@@ -191,7 +194,7 @@ def test_multi_head_attention_default_attention_fn_is_lean_with_dropout():
         with lean_neighbours(lean):
             return jnp.sum(attention.apply(params, x, rngs={"dropout": jax.random.key(2)}) ** 2)
 
-    plain, lean = compare(loss, params, x)
+    plain, lean = compare(loss, params, x, tol=ATTENTION_TOL)
     assert not [r for r in lean.residuals if r.shape == (2, 2, 10, 10)]
     assert plain.activations > lean.activations
     assert attention.attention_fn is nn.dot_product_attention  # restored on exit
