@@ -229,15 +229,23 @@ def _linen_interceptor(next_fun, args, kwargs, context):
         return _lean_module_call(next_fun, args, kwargs, context.module)
 
 
+def _default_attention(module: nn.Module) -> bool:
+    return isinstance(module, nn.MultiHeadDotProductAttention) and module.attention_fn is _dot_product_attention
+
+
+def _with_lean_attention(next_fun, args, kwargs, module: nn.MultiHeadDotProductAttention):
+    # The default attention_fn was bound when the dataclass was defined, so replacing the
+    # module attribute ``nn.dot_product_attention`` does not reach it: swap it for this call.
+    object.__setattr__(module, "attention_fn", _lean_attention(keep_output=_output_kept_as_is(module)))
+    try:
+        return next_fun(*args, **kwargs)
+    finally:
+        object.__setattr__(module, "attention_fn", _dot_product_attention)
+
+
 def _lean_module_call(next_fun, args, kwargs, module: nn.Module):
-    if isinstance(module, nn.MultiHeadDotProductAttention) and module.attention_fn is _dot_product_attention:
-        # The default attention_fn was bound when the dataclass was defined, so replacing the
-        # module attribute ``nn.dot_product_attention`` does not reach it: swap it for this call.
-        object.__setattr__(module, "attention_fn", _lean_attention(keep_output=_output_kept_as_is(module)))
-        try:
-            return next_fun(*args, **kwargs)
-        finally:
-            object.__setattr__(module, "attention_fn", _dot_product_attention)
+    if _default_attention(module):
+        return _with_lean_attention(next_fun, args, kwargs, module)
     if isinstance(module, LINEN_NORMS) and not module.is_initializing():
         arrays, rebuild = _split_arrays((args, kwargs))
 
@@ -284,6 +292,24 @@ def _replacements() -> list[tuple[Any, str, Any]]:
 
 
 _PATCH = ProcessWidePatch(_replacements)  # found when the first context opens
+
+
+@contextlib.contextmanager
+def lean_attention(where: Callable[[str], bool]) -> Iterator[None]:
+    """Only ``lean_neighbours``' attention, for the ``nn.MultiHeadDotProductAttention`` modules (with
+    Flax's default ``attention_fn``) whose path (``layer_choice.module_path``) ``where`` accepts:
+    how ``compress_model``'s lean rules by path give their lean modules' attention
+    ``bsr_jax.ops.attention``'s backward, where ``bsr_jax.rewrite.lean_graph`` makes the rest lean.
+    A no-op inside ``lean_neighbours`` (its attention is lean everywhere already)."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name == "__call__" and not getattr(_local, "depth", 0) and _default_attention(module) and where(layer_choice.module_path(module)):
+            return _with_lean_attention(next_fun, args, kwargs, module)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+        yield
 
 
 @contextlib.contextmanager

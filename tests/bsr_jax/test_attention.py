@@ -132,3 +132,32 @@ def test_bad_dropout_arguments_are_named(kwargs, match):
     q, k, v, _ = _arrays(jnp.float32)
     with pytest.raises(ValueError, match=match):
         dot_product_attention(q, k, v, **kwargs)
+
+
+class _TwoAttentions(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2, name=f"block_{i}")(x)
+        return x
+
+
+def test_lean_rules_by_path_give_lean_modules_this_attention_only():
+    """compress_model's lean rules by path (what bsr_jax.plan assembles): the lean block's attention
+    keeps no (B, heads, T, T) array, the block kept as traced keeps Flax's, with the same gradients."""
+    x = jax.random.normal(jax.random.key(0), (2, 10, 16))
+    model = _TwoAttentions()
+    params = model.init(jax.random.key(1), x)
+    square = (2, 2, 10, 10)
+
+    def kept(lean):
+        compressed = bsr_jax.compress_model(model, [bsr_jax.Rule("*", None)], lean=lean)
+        loss = lambda p, x: jnp.sum(jnp.sin(compressed.apply(p, x)))  # noqa: E731
+        ours = str(jax.make_jaxpr(loss)(params, x)).count("custom_vjp_call")  # this module's attention, as traced
+        return ours, [tuple(r.shape) for r in bsr_jax.residual_bytes(loss, params, x).residuals], jax.grad(loss)(params, x)
+
+    (ours, first_lean, grads), (none, neither, plain) = kept([("block_0", True), ("*", False)]), kept([("*", False)])
+    assert (ours, none) == (1, 0)
+    assert neither.count(square) >= 2 * 2  # Flax keeps at least the scores' and probabilities' arrays per block
+    assert first_lean.count(square) == neither.count(square) // 2
+    chex.assert_trees_all_close(grads, plain, **F32_TOL)
