@@ -45,6 +45,7 @@ JVP, so forward-mode differentiation works too.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -180,6 +181,8 @@ Arrays: query (..., Tq, H, D), key/value (..., Tk, H, D), bias/mask broadcastabl
 
 # ---- norms ----
 
+# The rule of an active lean_attention context (which attention modules are lean), else None: all.
+_ATTENTION_WHERE: contextvars.ContextVar[Callable[[str], bool] | None] = contextvars.ContextVar("bsr_jax_lean_attention", default=None)
 _local = threading.local()  # .inside: a lean norm's own call is running; .depth: nesting of contexts
 
 
@@ -244,7 +247,7 @@ def _with_lean_attention(next_fun, args, kwargs, module: nn.MultiHeadDotProductA
 
 
 def _lean_module_call(next_fun, args, kwargs, module: nn.Module):
-    if _default_attention(module):
+    if _default_attention(module) and _ATTENTION_WHERE.get() is None:  # else lean_attention's rule decides
         return _with_lean_attention(next_fun, args, kwargs, module)
     if isinstance(module, LINEN_NORMS) and not module.is_initializing():
         arrays, rebuild = _split_arrays((args, kwargs))
@@ -300,16 +303,21 @@ def lean_attention(where: Callable[[str], bool]) -> Iterator[None]:
     Flax's default ``attention_fn``) whose path (``layer_choice.module_path``) ``where`` accepts:
     how ``compress_model``'s lean rules by path give their lean modules' attention
     ``bsr_jax.ops.attention``'s backward, where ``bsr_jax.rewrite.lean_graph`` makes the rest lean.
-    A no-op inside ``lean_neighbours`` (its attention is lean everywhere already)."""
+    Inside ``lean_neighbours`` too it decides which attention is lean (``compress_model``'s ``dx``
+    formats keep q, k and v through ``lean_graph``'s recomputation instead)."""
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
-        if context.method_name == "__call__" and not getattr(_local, "depth", 0) and _default_attention(module) and where(layer_choice.module_path(module)):
+        if context.method_name == "__call__" and _default_attention(module) and where(layer_choice.module_path(module)):
             return _with_lean_attention(next_fun, args, kwargs, module)
         return next_fun(*args, **kwargs)
 
-    with nn.intercept_methods(interceptor):
-        yield
+    token = _ATTENTION_WHERE.set(where)
+    try:
+        with nn.intercept_methods(interceptor):
+            yield
+    finally:
+        _ATTENTION_WHERE.reset(token)
 
 
 @contextlib.contextmanager
