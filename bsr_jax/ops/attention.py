@@ -53,6 +53,10 @@ class _Config:
     def dropout(self) -> bool:
         return not self.deterministic and self.dropout_rate > 0.0
 
+    def softmax_in_f32(self, dtype) -> bool:
+        """Flax's rule: the softmax in f32 (and its result left in f32) for a lower ``dtype``."""
+        return self.force_fp32_for_softmax and dtype != jnp.float32
+
 
 def _einsum(config: _Config):
     return functools.partial(jnp.einsum, precision=config.precision, _dot_general=jax.lax.dot_general)
@@ -67,16 +71,9 @@ def _scores(config: _Config, query, key, bias, mask):
         scores = scores + bias
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(dtype).min)
-    if config.force_fp32_for_softmax and dtype != jnp.float32:
+    if config.softmax_in_f32(dtype):
         scores = scores.astype(jnp.float32)
     return query, scores
-
-
-def _probabilities(config: _Config, scores, dtype):
-    """Flax's softmax of the scores (fused by XLA into one kernel where it can)."""
-    if config.force_fp32_for_softmax and dtype != jnp.float32:
-        return jax.nn.softmax(scores)
-    return jax.nn.softmax(scores).astype(dtype)
 
 
 def _multiplier(config: _Config, rng, shape, dtype):
@@ -88,16 +85,23 @@ def _multiplier(config: _Config, rng, shape, dtype):
     return keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
 
 
-def _dropout_shape(config: _Config, key, probabilities_shape):
-    return (1,) * (key.ndim - 2) + probabilities_shape[-2:] if config.broadcast_dropout else probabilities_shape
+def _weights(config: _Config, query, key, bias, mask, rng):
+    """Flax's ``dot_product_attention_weights``, its parts apart: (scaled query, probabilities, the
+    dropout multiplier or None, weights = probabilities x multiplier). The softmax is fused by XLA
+    into one kernel where it can."""
+    dtype = query.dtype
+    scaled_query, scores = _scores(config, query, key, bias, mask)
+    probabilities = jax.nn.softmax(scores)
+    probabilities = probabilities if config.softmax_in_f32(dtype) else probabilities.astype(dtype)
+    if not config.dropout:
+        return scaled_query, probabilities, None, probabilities
+    shape = (1,) * (key.ndim - 2) + probabilities.shape[-2:] if config.broadcast_dropout else probabilities.shape
+    multiplier = _multiplier(config, rng, shape, dtype)
+    return scaled_query, probabilities, multiplier, probabilities * multiplier
 
 
 def _forward(config: _Config, query, key, value, bias, mask, rng):
-    dtype = query.dtype
-    _, scores = _scores(config, query, key, bias, mask)
-    weights = _probabilities(config, scores, dtype)
-    if config.dropout:
-        weights = weights * _multiplier(config, rng, _dropout_shape(config, key, weights.shape), dtype)
+    weights = _weights(config, query, key, bias, mask, rng)[-1]
     return _einsum(config)("...hqk,...khd->...qhd", weights, value)
 
 
@@ -125,12 +129,7 @@ def _attention_bwd(config, residuals, d_out):
         _, vjp = jax.vjp(lambda *arrays: _forward(config, *arrays, mask, rng), query, key, value, bias)
         return (*vjp(d_out), None, None)
     dtype, einsum = query.dtype, _einsum(config)
-    scaled_query, scores = _scores(config, query, key, bias, mask)
-    probabilities = _probabilities(config, scores, dtype)
-    weights, multiplier = probabilities, None
-    if config.dropout:
-        multiplier = _multiplier(config, rng, _dropout_shape(config, key, probabilities.shape), dtype)
-        weights = probabilities * multiplier
+    scaled_query, probabilities, multiplier, weights = _weights(config, query, key, bias, mask, rng)
     d_value = einsum("...hqk,...qhd->...khd", weights, d_out.astype(jnp.result_type(weights, value)))
     d_weights = einsum("...qhd,...khd->...hqk", d_out, value)
     d_probabilities = d_weights * multiplier if multiplier is not None else d_weights
@@ -154,9 +153,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           dropout_rate: float = 0.0, deterministic: bool = False, dtype=None, precision=None,
                           force_fp32_for_softmax: bool = False, keep_output: bool = True) -> jax.Array:  # fmt: skip
     """``flax.linen.dot_product_attention`` (same arguments but ``module`` and custom einsums; same
-    output, bit for bit) whose backward keeps q, k, v, bias, mask, key, output and the softmax's row
-    statistics, and recomputes the probabilities from them (the module docstring). Gradients equal
-    autodiff's of Flax's function up to float rounding; none for ``mask`` and ``dropout_rng``.
+    output, bit for bit) whose backward keeps q, k, v, bias, mask, key and output, recomputes the
+    probabilities and takes flash attention's softmax derivative (the module docstring). Gradients
+    equal autodiff's of Flax's function up to float rounding; none for ``mask`` and ``dropout_rng``.
 
     ``keep_output=False`` keeps no output and differentiates the recomputed forward by autodiff (one
     more pass over the probabilities in the backward): for an output that the next layer does not

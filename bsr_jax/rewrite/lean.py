@@ -14,9 +14,9 @@ the rest (no matmul of a linear layer is recomputed):
 * these activations also where a linen module holds them as attributes (``act=nn.relu``).
 * ``flax.linen.dot_product_attention`` (called directly, or as the default ``attention_fn`` of
   ``nn.MultiHeadDotProductAttention`` and its subclasses) runs as ``bsr_jax.ops.attention``'s: it
-  keeps q, k, v, the mask/bias, the dropout key, its output and the softmax's row maximum and sum,
-  and the backward recomputes the probabilities from them and takes flash attention's softmax
-  derivative; dropout recomputes the same mask from the same key.
+  keeps q, k, v, the mask/bias, the dropout key and its output (not where the module's ``out``
+  layer is compressed), and the backward recomputes the probabilities and takes flash attention's
+  softmax derivative; dropout recomputes the same mask from the same key.
 
 Forward outputs are bit-identical to the unmodified computation (the same Flax/JAX code runs, or
 for attention the same operations in the same order), and every gradient is the one plain autodiff
