@@ -21,9 +21,12 @@ recognising any name:
    count as what they call;
 4. a module's own computation that reads a cheap output of one of its submodules (a parent adding
    its children's BatchNorm outputs and applying ReLU) recomputes that output inside its
-   checkpoint from what the submodule keeps anyway, rather than keeping it as a checkpoint input:
-   each checkpoint keeps its inputs, and XLA, which recomputes such outputs in a dense step, cannot
-   look across a checkpoint's boundary;
+   checkpoint from what the submodule keeps anyway, rather than keeping it as a checkpoint input;
+   and a submodule that is the only reader of a cheap output of its parent's own computation (the
+   second Dense of an MLP reading the GELU between them) recomputes that computation (products
+   excluded) from its inputs, which the activation's backward keeps anyway: each checkpoint keeps
+   its inputs, and XLA, which recomputes such outputs in a dense step, cannot look across a
+   checkpoint's boundary;
 5. a ``scan`` (layers stacked with ``nn.scan``) is bound again with its body evaluated the same
    way, segment by segment (``_lean_scan``), so each layer keeps what it keeps in a Python loop of
    layers; other control flow (``while``, ``cond``) runs as traced, inside its segment;
@@ -137,41 +140,62 @@ def _below(path: str, parent: str) -> bool:
     return path.startswith(parent + "/") if parent else bool(path)
 
 
-def _pulled(segment: list[Any], path: str, producers: dict[Any, tuple[Any, int, str]]) -> list[Any]:
-    """The equations of submodules that ``segment`` (module ``path``'s own) recomputes rather than
-    keeping their outputs: the recomputed producers of its inputs that lie below ``path``, and
-    theirs in turn as long as each lies in its reader's segment or below its reader's module (a
-    parent's ReLU reads a child's BatchNorm output, which reads the grandchild convolution's
-    output). The chain stops at what is kept anyway (products, convolutions, named residuals),
-    and never follows a value across sibling modules (a residual stream from block to block).
+def _has_product(eqn: Any) -> bool:
+    """Whether ``eqn`` is, or calls, a ``dot_general`` (attention's batched products among them)."""
+    return eqn.primitive.name == "dot_general" or any(_has_product(e) for j in jax_core.jaxprs_in_params(eqn.params) for e in j.eqns)
 
-    Without this, a module's own computation reading a cheap output of a submodule (transformers'
-    ResNet adds its children's BatchNorm outputs and applies ReLU) keeps that output as an input
-    of its ``jax.checkpoint``, beside the submodule's input, kept for the submodule's backward:
-    two arrays where XLA, with no checkpoint boundary between them, keeps one and recomputes the
-    other."""
+
+def _pulled(segment: list[Any], path: str, producers: dict[Any, tuple[Any, int, str]], readers: dict[Any, set[int]],
+            index: int, pullable: Callable[[int], bool]) -> list[Any]:  # fmt: skip
+    """The equations of other modules that ``segment`` (module ``path``'s own, unit ``index``)
+    recomputes rather than keeping their outputs:
+
+    * down: the recomputed producers of its inputs that lie below ``path``, and theirs in turn as
+      long as each lies in its reader's segment or below its reader's module (a parent's ReLU reads
+      a child's BatchNorm output, which reads the grandchild convolution's output);
+    * up: where the segment is a submodule reading a cheap output of its parent's own computation
+      that nothing else reads (a Dense reading its MLP's GELU), that computation within the
+      parent's segment, products excluded (attention's ``p v`` stays kept); not where the parent's
+      unit is not ``pullable`` (a ``dx`` format stores its inputs).
+
+    The chain stops at what is kept anyway (products, convolutions, named residuals, the parent's
+    segment's inputs), and never follows a value across sibling modules (a residual stream from
+    block to block). Without it, a module reading a cheap output of a neighbour (transformers'
+    ResNet adds its children's BatchNorm outputs and applies ReLU; a Dense reads a GELU's output)
+    keeps that output as an input of its ``jax.checkpoint``, beside the neighbour's input, kept for
+    the neighbour's backward: two arrays where XLA, with no checkpoint boundary between them,
+    keeps one and recomputes the other (a dense ViT-B/16 on TPU v5p keeps the GELU's input only)."""
     defined = {v for eqn in segment for v in eqn.outvars}
     pulled: dict[int, Any] = {}
     for v in dict.fromkeys(v for eqn in segment for v in eqn.invars if isinstance(v, jax_core.Var) and v not in defined):
         chain: dict[int, Any] = {}
-        todo = [(v, path, None)]  # (input, reader's path, reader's segment)
+        todo = [(v, path, None, False)]  # (input, reader's path, reader's segment, whether pulled up)
         while todo:
-            u, reader_path, reader_segment = todo.pop()
+            u, reader_path, reader_segment, up = todo.pop()
             if not isinstance(u, jax_core.Var) or u not in producers:
                 continue
-            eqn, index, eqn_path = producers[u]
+            eqn, producer, eqn_path = producers[u]
             if id(eqn) in chain or id(eqn) in pulled:
                 continue
+            if up:  # within the parent's segment only; its inputs are kept
+                if producer == reader_segment and recomputed(eqn) and not _has_product(eqn):
+                    chain[id(eqn)] = eqn
+                    todo.extend((w, eqn_path, producer, True) for w in eqn.invars)
+                continue
             if not recomputed(eqn):
-                if index == reader_segment:
+                if producer == reader_segment:
                     # Kept only as computed inside the submodule (a Dense's product before its
                     # bias): nothing kept anyway to recompute from, so the output stays an input.
                     chain = {}
                     break
                 continue
-            if index == reader_segment or _below(eqn_path, reader_path):
+            if producer == reader_segment or _below(eqn_path, reader_path):
                 chain[id(eqn)] = eqn
-                todo.extend((w, eqn_path, index) for w in eqn.invars)
+                todo.extend((w, eqn_path, producer, False) for w in eqn.invars)
+            elif (reader_segment is None and _below(path, eqn_path) and readers[u] == {index} and pullable(producer)
+                  and not _has_product(eqn)):  # fmt: skip
+                chain[id(eqn)] = eqn
+                todo.extend((w, eqn_path, producer, True) for w in eqn.invars)
         pulled.update(chain)
     return list(pulled.values())
 
@@ -292,9 +316,17 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], treatment: Treatmen
     units = _units(segments, paths, treatment)
     order = {id(eqn): i for i, eqn in enumerate(jaxpr.eqns)}
     producers = {v: (eqn, i, path) for i, (unit, path, _) in enumerate(units) for eqn in unit for v in eqn.outvars}
+    readers: dict[Any, set[int]] = {v: {-1} for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
+    for i, (unit, _, _) in enumerate(units):
+        for v in (v for eqn in unit for v in eqn.invars if isinstance(v, jax_core.Var)):
+            readers.setdefault(v, set()).add(i)
+
+    def pullable(i: int) -> bool:
+        return units[i][2] is True and treatment.dx_format(units[i][1]) is None
+
     # Each unit's equations to run: for a lean one the pulled producers (in program order), then its own.
-    runs = [(sorted(_pulled(unit, path, producers), key=lambda e: order[id(e)]) if mode is True else []) + unit
-            for unit, path, mode in units]  # fmt: skip
+    runs = [(sorted(_pulled(unit, path, producers, readers, i, pullable), key=lambda e: order[id(e)]) if mode is True else []) + unit
+            for i, (unit, path, mode) in enumerate(units)]  # fmt: skip
     # Variables read after each unit (by later units or as outputs): what it must return.
     needed_after: list[set[Any]] = []
     live = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}

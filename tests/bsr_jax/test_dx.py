@@ -127,8 +127,9 @@ def test_compress_model_stores_every_recognised_dx_residual_in_the_format():
     errors = [_relative(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)) if float(jnp.linalg.norm(w)) > 1e-6]
     assert 0 < max(errors) < 0.05
     exact_bytes = bsr_jax.residual_bytes(loss(exact), params).activations
-    # Measured 0.58: the Dense layers' own inputs stay f32 under Rule("*", None).
-    assert bsr_jax.residual_bytes(loss(approx), params).activations < 0.65 * exact_bytes
+    # Measured 0.69: the Dense layers' own inputs stay f32 under Rule("*", None) (0.58 while exact
+    # dx kept each GELU's output beside its input, before the second Dense recomputed it).
+    assert bsr_jax.residual_bytes(loss(approx), params).activations < 0.75 * exact_bytes
 
 
 def test_dx_rules_by_module_path_turn_it_off_per_layer():

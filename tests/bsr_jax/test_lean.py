@@ -14,7 +14,7 @@ from flax import nnx
 
 import bsr_jax
 from bsr_jax.rewrite.lean import lean_neighbours
-from bsr_jax.rewrite.lean_graph import lean_call
+from bsr_jax.rewrite.lean_graph import Treatment, lean_call
 
 TOL = dict(atol=1e-6, rtol=1e-5)  # float reassociation only (recomputed stats, f32)
 # Attention's key bias has a zero gradient in exact arithmetic (softmax ignores a shift per query
@@ -316,3 +316,29 @@ def test_lean_call_evaluates_a_scans_body_segment_by_segment():
     chex.assert_trees_all_close(jax.grad(lean, (0, 1, 2))(w, xs, c), jax.grad(fn, (0, 1, 2))(w, xs, c), **TOL)
     scans = [e for e in jax.make_jaxpr(lean)(w, xs, c).eqns[0].params["jaxpr"].eqns if e.primitive.name == "scan"]
     assert scans and all(e.primitive.name in ("remat2", "checkpoint") for e in scans[0].params["jaxpr"].eqns)  # the name by JAX version
+
+
+class _MlpBlock(nn.Module):
+    """vision_transformer's MlpBlock: the GELU in the block's own code, between its two Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(nn.gelu(nn.Dense(512)(x)))  # 8 x 512: dx stores it (bsr_jax.ops.dx)
+
+
+def test_a_dense_reading_its_parents_activation_recomputes_it_rather_than_keeping_it():
+    """The second Dense's checkpoint recomputes the GELU from the first Dense's output, which the
+    GELU's backward keeps anyway (XLA's choice in a dense step, TPU v5p), rather than keeping the
+    GELU's output beside it; not where a dx format stores the GELU's inputs."""
+    model, x = _MlpBlock(), normal((8, 16))
+    params = model.init(jax.random.key(1), x)
+    plain = lambda p, x: jnp.sum(model.apply(p, x) ** 2)
+    lean = lambda p, x: jnp.sum(lean_call(model.apply, p, x) ** 2)
+    assert jax.jit(lean)(params, x) == jax.jit(plain)(params, x)
+    chex.assert_trees_all_close(jax.grad(lean, (0, 1))(params, x), jax.grad(plain, (0, 1))(params, x), **TOL)
+    hidden = [str(r.dtype) for r in bsr_jax.residual_bytes(lean, params, x).residuals if r.shape == (8, 512)]
+    assert hidden == ["float32"]  # the first Dense's output only
+    stored = lambda p, x: jnp.sum(lean_call(model.apply, p, x, treatment=Treatment(dx="int8")) ** 2)
+    kept = bsr_jax.residual_bytes(stored, params, x).residuals
+    assert [str(r.dtype) for r in kept if r.shape == (8, 512)] == ["float32"]  # the second Dense's input
+    assert "int8" in [str(r.dtype) for r in kept]  # the GELU's input, not pulled into the Dense
