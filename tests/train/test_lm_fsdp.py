@@ -113,7 +113,7 @@ def test_an_fsdp_step_compiles_for_eight_devices_and_holds_a_shard_of_the_state(
     # XLA:TPU's cost model times none of these 8-device programs (it reports -2 s: optimal_seconds None);
     # the roofline, collectives counted, times both targets'.
     assert program.peak > 0 and program.roofline_seconds > 0
-    if target == "h100":  # the replicated step on the same 8 devices holds every parameter and moment whole
+    if target == "tpu-v5p":  # the replicated step on the same 8 devices holds every parameter and moment whole (a TPU compile: 12 s, an H100 one 20)
         step, state, batch = _eight_device_step(target, fsdp=False)
         replicated = bsr_jax.compiled_memory(step, state, batch, target=target, devices=8)
         state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
