@@ -326,6 +326,13 @@ class _MlpBlock(nn.Module):
         return nn.Dense(16)(nn.gelu(nn.Dense(512)(x)))  # 8 x 512: dx stores it (bsr_jax.ops.dx)
 
 
+class _Stream(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        s = nn.Dense(512)(x) + nn.Dense(512)(x)
+        return nn.Dense(512)(s) + s
+
+
 def test_a_dense_reading_its_parents_activation_recomputes_it_rather_than_keeping_it():
     """The second Dense's checkpoint recomputes the GELU from the first Dense's output, which the
     GELU's backward keeps anyway (XLA's choice in a dense step, TPU v5p), rather than keeping the
@@ -342,3 +349,9 @@ def test_a_dense_reading_its_parents_activation_recomputes_it_rather_than_keepin
     kept = bsr_jax.residual_bytes(stored, params, x).residuals
     assert [str(r.dtype) for r in kept if r.shape == (8, 512)] == ["float32"]  # the second Dense's input
     assert "int8" in [str(r.dtype) for r in kept]  # the GELU's input, not pulled into the Dense
+    # A sum that the block's own code reads again (a residual stream): kept, not recomputed from the
+    # two arrays it sums (which nothing else keeps).
+    stream = _Stream()
+    stream_params = stream.init(jax.random.key(2), x)
+    kept = bsr_jax.residual_bytes(lambda p, x: jnp.sum(lean_call(stream.apply, p, x) ** 2), stream_params, x).residuals
+    assert [r.shape for r in kept].count((8, 512)) == 2  # the sum, and the output the squared loss reads (3 if pulled)
