@@ -243,8 +243,7 @@ def _linen_compressed(model: nn.Module, rules: rules_lib.Rules, lean: bool, trea
         head_losses = (head_loss.recognising_head_losses(loss_chunk, scope=f"{base.__name__}.apply (compress_model(loss_chunk=...))")
                        if loss_chunk is not None else contextlib.nullcontext())  # fmt: skip
         # lean_graph's lean modules take bsr_jax.rewrite.lean's attention; not where a dx format keeps q, k, v.
-        lean_attention = lambda path: treatment.mode(path) == (None, True) and treatment.dx_format(path) is None  # noqa: E731
-        by_path = lean_ops.lean_attention(lean_attention) if treatment is not None else contextlib.nullcontext()
+        by_path = lean_ops.lean_attention(treatment.lean_exact) if treatment is not None else contextlib.nullcontext()
         with compressing(rules, lean=lean), head_losses, by_path:
             # lean: hand-written norms, activations and attention keep less too (bsr_jax.rewrite.lean_graph).
             return lean_graph.lean_call(run, variables, *args, treatment=treatment, **kwargs) if treatment is not None else run(variables, *args, **kwargs)

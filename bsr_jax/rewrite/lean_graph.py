@@ -120,6 +120,11 @@ class Treatment:
         mode = next((m for pattern, m in self.modes if fnmatch.fnmatchcase("/".join(parts), pattern)), True)
         return None, bool(mode)
 
+    def lean_exact(self, path: str) -> bool:
+        """Whether the module at ``path`` is lean (a checkpoint per segment) with no ``dx`` format:
+        where recomputing its neighbours' cheap values, not storing them compressed, applies."""
+        return self.mode(path) == (None, True) and self.dx_format(path) is None
+
 def _segments(eqns: list[Any]) -> tuple[list[list[Any]], list[str]]:
     """Maximal runs of consecutive equations with one module path (einsum specs and transform
     wrappers in the name stack do not count: ``module_path`` drops them), and each run's path."""
@@ -320,10 +325,7 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], treatment: Treatmen
     for i, (unit, _, _) in enumerate(units):
         for v in (v for eqn in unit for v in eqn.invars if isinstance(v, jax_core.Var)):
             readers.setdefault(v, set()).add(i)
-
-    def pullable(i: int) -> bool:
-        return units[i][2] is True and treatment.dx_format(units[i][1]) is None
-
+    pullable = lambda i: treatment.lean_exact(units[i][1])  # noqa: E731
     # Each unit's equations to run: for a lean one the pulled producers (in program order), then its own.
     runs = [(sorted(_pulled(unit, path, producers, readers, i, pullable), key=lambda e: order[id(e)]) if mode is True else []) + unit
             for i, (unit, path, mode) in enumerate(units)]  # fmt: skip
