@@ -64,7 +64,7 @@ from jax.extend import source_info_util
 from bsr_jax.measure.report import module_path
 from bsr_jax.ops import head_loss
 from bsr_jax.ops.dx import stored_compressed
-from bsr_jax.rewrite.lean_policy import both, policy, recomputed
+from bsr_jax.rewrite.lean_policy import both, policy, recomputed, recomputes_nothing_read
 
 # A bsr_jax.ops.dx format for every module, or (pattern, format or None) rules by module path.
 DxRules = str | Sequence[tuple[str, str | None]] | None
@@ -346,7 +346,7 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any], treatment: Treatmen
         values = [env[v] for v in ins]
         if isinstance(mode, Remat):
             segment_fn = jax.checkpoint(_run_segment(run, ins, outs, None, arguments, within=mode), policy=mode.policy)
-        elif mode is False:
+        elif mode is False or recomputes_nothing_read(run, arguments):
             segment_fn = _run_segment(run, ins, outs, treatment, arguments)
         else:
             segment_fn = jax.checkpoint(_run_segment(run, ins, outs, treatment, arguments), policy=policy)
