@@ -18,7 +18,9 @@ recognising any name:
    reductions, reshapes, gathers, random bits, and products with batch axes such as attention's
    ``q k^T`` and ``p v``) is recomputed in the backward pass from the segment's inputs and the
    saved values. ``jax.nn.relu`` and other calls (``custom_jvp``, ``jit``, nested checkpoints)
-   count as what they call;
+   count as what they call. A segment with nothing to recompute (a convolution alone, a Dense and
+   its bias, reading what the step computed: ``lean_policy.recomputes_nothing_read``) runs without
+   a checkpoint, whose optimization barrier would only keep its weights live beside XLA's copies;
 4. a module's own computation that reads a cheap output of one of its submodules (a parent adding
    its children's BatchNorm outputs and applying ReLU) recomputes that output inside its
    checkpoint from what the submodule keeps anyway, rather than keeping it as a checkpoint input;
