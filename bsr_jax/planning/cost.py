@@ -134,7 +134,7 @@ class CostModel:
     blocks' in some steps and not in others (the 12 x 768 LM: dense peaks in the first regime,
     every block compressed in the second). XLA names the last blocks' buffers unreliably at the
     peak (recomputed ones can carry the previous block's name), so ``kept`` is learnt from the
-    blocks before the last two of each step measured with a breakdown; ``a`` from every compiled
+    blocks before the last two or three (``learnt_blocks``) of each step measured with a breakdown; ``a`` from every compiled
     step that had that option on the last block (its least ``peak - kept``: dense gives
     ``keep``'s, remat on every block ``remat``'s), and an option never compiled there takes
     ``keep``'s (``_base``); ``h`` from the compiled steps the first term does not
@@ -176,7 +176,7 @@ class CostModel:
         measured = [b for b in self.blocks if (b, option) in table and (b, "keep") in table]
         if not measured:
             raise KeyError(f"no compiled step measured {option!r} on a block")
-        if (block, "keep") not in table:  # a block not learnt from (the second-to-last): as the nearest before it
+        if (block, "keep") not in table:  # a block not learnt from (one of the last): as the nearest before it
             return float(np.mean(table[(measured[-1], option)]))
         keep = {b: float(np.mean(table[(b, "keep")])) for b in [*measured, block]}
         # The blocks nearest by their keep figure (bytes or seconds: scale-free), within 5% of the
