@@ -77,14 +77,13 @@ def recomputes_nothing_read(eqns: list[Any], arguments: frozenset[Any] = frozens
     source = {}  # checkpoint_name's output -> what it names
     for e in eqns:
         name = e.primitive.name
-        if name == "name":
+        if name == "name" and not isinstance(e.invars[0], jax_core.Literal):
             source[e.outvars[0]] = source.get(e.invars[0], e.invars[0])
         elif name in ("dot_general", "conv_general_dilated") and not recomputed(e):
-            if any(source.get(v, v) in computed for v in e.invars):
+            operands = [source.get(v, v) for v in e.invars if not isinstance(v, jax_core.Literal)]  # literals: unhashable
+            if any(v in computed for v in operands) or all(v in arguments for v in operands):
                 return False
             if name == "dot_general" and len(e.params["dimension_numbers"][0][0]) > 1:
-                return False
-            if all(source.get(v, v) in arguments for v in e.invars if not isinstance(v, jax_core.Literal)):
                 return False
         elif name not in LINEAR:
             return False
