@@ -26,6 +26,9 @@ LEAN_NAME = "bsr_jax_lean"  # a small value worth keeping (ReLU's packed mask, t
 # A flash attention kernel's forward residuals (its output and log-sum-exp), named by the caller
 # (Pallas splash attention's ``residual_checkpoint_name``): the ``remat-dots-attention`` option keeps them.
 FLASH_RESIDUALS = "flash_attention_residuals"
+# The per-token losses of a chunked head loss (``bsr_jax.ops.losses``): ``chunked_head_loss`` reads
+# from the traced program whether only a sum over every token reads them.
+HEAD_LOSSES_NAME = "bsr_jax_head_losses"
 INPUT = "input"  # what a linear product or convolution multiplies its parameter with (its weight gradient reads it)
 OUTPUT = "output"  # the product's result (before a bias): what remat would otherwise recompute
 CHOICES = ("keep", "recompute", "offload")  # name_policy's per-name choices

@@ -37,7 +37,10 @@ plain optax loss computes its softmax in bf16, the chunked one in f32 on the sam
 (more accurate, and different by bf16 rounding: ~1e-2 relative per token, less on a mean). Labels
 follow optax: negative ones in ``[-V, 0)`` count from the end, ones outside ``[-V, V)`` give NaN
 (one-hot rows of them are zero: loss 0). The memory is ``chunk x V`` f32 per chunk instead of two
-``N x V`` arrays; the price is the head's product once more in the backward pass.
+``N x V`` arrays; the price is the head's product once more in the backward pass, except where
+``chunked_head_loss`` sees, in its loss function traced once more (``jax.make_jaxpr``), that only
+sums over every token read the losses (``.mean()``, ``.sum()``, scaled by one number): their
+gradient is then computed in the forward (``chunked_softmax_cross_entropy(summed=True)``).
 
 The replaced functions are process-wide while any thread is inside a context (as
 ``bsr_jax.rewrite.intercept``'s); other threads see only their own (empty) state and get optax's own.
@@ -56,10 +59,14 @@ from typing import Any, TypeVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jax_core
 
 from bsr_jax.core import layer_choice
 from bsr_jax.core.jax_private import lax_numpy
+from bsr_jax.core.names import HEAD_LOSSES_NAME
 from bsr_jax.core.patching import ProcessWidePatch
 from bsr_jax.ops.losses import chunked_softmax_cross_entropy
 
@@ -83,6 +90,8 @@ class _State:
 
     chunk: int
     scope: str  # where the context is active, for the warning
+    summed: bool = False  # the losses are only summed with one weight (chunked_head_loss read it from the trace)
+    report: bool = True  # warn when the context ends (not for chunked_head_loss's look at the trace)
     heads: dict[int, tuple[Any, _Head | str]] = dataclasses.field(default_factory=dict)  # id -> (array, head or why not)
     one_hots: dict[int, tuple[Any, Any, int]] = dataclasses.field(default_factory=dict)  # id -> (array, indices, classes)
     recognised: int = 0
@@ -227,11 +236,12 @@ def _chunked(state: _State, logits: Any, labels: Any, axis: Any, where: Any, one
         in_range = (labels >= -vocab) & (labels < vocab)  # optax counts negative labels from the end
         ids = jnp.where(in_range, jnp.where(labels < 0, labels + vocab, labels), -1)
         dtype = logits.dtype
-    losses = chunked_softmax_cross_entropy(head.features, head.kernel, ids, chunk=state.chunk, logits_dtype=head.logits_dtype, bias=head.bias)
+    losses = chunked_softmax_cross_entropy(head.features, head.kernel, ids, chunk=state.chunk, logits_dtype=head.logits_dtype, bias=head.bias,
+                                           summed=state.summed)  # fmt: skip
     if in_range is not None:
         losses = jnp.where(in_range, losses, jnp.nan)  # optax's out-of-range labels read NaN
     state.recognised += 1
-    return losses.astype(dtype)
+    return checkpoint_name(losses.astype(dtype), HEAD_LOSSES_NAME)
 
 
 def _loss(name: str, one_hot: bool):
@@ -280,18 +290,21 @@ def check_chunk(chunk: Any, argument: str) -> None:
 
 
 @contextlib.contextmanager
-def recognising_head_losses(chunk: int, scope: str = "the traced function") -> Iterator[None]:
+def recognising_head_losses(chunk: int, scope: str = "the traced function", summed: bool = False, report: bool = True) -> Iterator[None]:
     """Head + softmax cross-entropy pairs traced inside the context run chunked (module docstring).
 
     Args:
       chunk: tokens per chunk of ``chunked_softmax_cross_entropy``.
       scope: where the context is active, named in its warning.
+      summed: ``chunked_softmax_cross_entropy(summed=True)``: the caller knows the losses are only
+        summed with one weight (``chunked_head_loss`` reads it from the traced loss function).
+      report: warn, when the context ends, where a call was not recognised or none was made.
     """
     check_chunk(chunk, "chunk")
     outer = _state()
     # Nested contexts (a compress_model(loss_chunk=) apply inside chunked_head_loss) share the
     # outer's records; the outermost one reports.
-    state = outer if outer is not None else _State(chunk, scope)
+    state = outer if outer is not None else _State(chunk, scope, summed, report)
     with _PATCH.applied():
         _local.state = state
         try:
@@ -299,8 +312,53 @@ def recognising_head_losses(chunk: int, scope: str = "the traced function") -> I
                 yield
         finally:
             _local.state = outer
-    if outer is None:
+    if outer is None and report:
         _report(state)
+
+
+# What carries each token's loss to a sum unchanged in weight: layout and dtype changes, and scaling
+# by one number (a Literal or a rank-0 array).
+_CARRIES = frozenset({"reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p", "name"})
+
+
+def _summed_only(loss_fn: Callable[..., Any], chunk: int, args: tuple, kwargs: dict) -> bool:
+    """Whether, in ``loss_fn(*args, **kwargs)`` traced (``jax.make_jaxpr``, array leaves abstract),
+    recognised losses are read only by sums over every token, each with the same weight: then each
+    token's cotangent is the same (a ``.mean()``: 1/N each). A mask, per-token weights, a slice, a
+    loss returned per token or read inside a nested call: False."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+
+    def traced(*arrays):
+        it = iter(arrays)
+        call_args, call_kwargs = jax.tree.unflatten(treedef, [next(it) if a else leaf for leaf, a in zip(leaves, is_array)])
+        return loss_fn(*call_args, **call_kwargs)
+
+    with recognising_head_losses(chunk, report=False):
+        jaxpr = jax.make_jaxpr(traced)(*[leaf for leaf, a in zip(leaves, is_array) if a]).jaxpr
+    readers: dict[Any, list[Any]] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, jax_core.Var):
+                readers.setdefault(v, []).append(eqn)
+    returned = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
+    todo = [e.outvars[0] for e in jaxpr.eqns if e.primitive.name == "name" and e.params["name"] == HEAD_LOSSES_NAME]
+    if not todo:
+        return False
+    scalar = lambda v: isinstance(v, jax_core.Literal) or not v.aval.shape  # noqa: E731
+    while todo:
+        v = todo.pop()
+        if v in returned:
+            return False
+        for eqn in readers.get(v, []):
+            name, others = eqn.primitive.name, [u for u in eqn.invars if u is not v]
+            if name == "reduce_sum" and len(eqn.params["axes"]) == len(v.aval.shape):
+                continue  # a sum over every token: what follows is scalar math
+            if name in _CARRIES or (name == "mul" and all(map(scalar, others))) or (name == "div" and eqn.invars[0] is v and scalar(eqn.invars[1])):
+                todo.extend(eqn.outvars)
+            else:
+                return False
+    return True
 
 
 def chunked_head_loss(loss_fn: F, *, chunk: int = 1024) -> F:
@@ -323,7 +381,10 @@ def chunked_head_loss(loss_fn: F, *, chunk: int = 1024) -> F:
 
     @functools.wraps(loss_fn)
     def wrapped(*args, **kwargs):
-        with recognising_head_losses(chunk, scope=f"{getattr(loss_fn, '__name__', 'loss_fn')} (chunked_head_loss)"):
+        # Outside another context, a first trace says whether only sums over every token read the
+        # losses: then their gradient is computed in the forward (no second head product).
+        summed = _state() is None and _summed_only(loss_fn, chunk, args, kwargs)
+        with recognising_head_losses(chunk, scope=f"{getattr(loss_fn, '__name__', 'loss_fn')} (chunked_head_loss)", summed=summed):
             return loss_fn(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]

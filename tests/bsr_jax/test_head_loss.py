@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 import bsr_jax  # before jax: deviceless H100 compiles need it first  # isort: skip
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -214,3 +215,44 @@ def test_h100_step_holds_no_logits_at_its_peak(compressed):
     assert max(b.bytes for b in plain.live_at_peak) >= logits_bytes  # the check can fail
     assert max(b.bytes for b in chunked.live_at_peak) < logits_bytes
     assert chunked.peak < 0.4 * plain.peak  # measured 60.3 MB against 211.0 MB (0.29x)
+
+
+class _TinyLM(nn.Module):
+    @nn.compact
+    def __call__(self, idx):
+        return nn.Dense(V, name="head")(nn.gelu(nn.Embed(V, 32)(idx)))
+
+
+@pytest.mark.parametrize(
+    "reduce, summed",
+    [
+        (lambda l, mask: l.mean(), True),
+        (lambda l, mask: 2.0 * l.astype(jnp.float32).sum() / l.size, True),
+        (lambda l, mask: (l * mask).sum() / mask.sum(), False),  # per-token weights
+        (lambda l, mask: l[:, 1:].mean(), False),  # a slice: the first token's weight is 0
+        (lambda l, mask: l.mean(axis=0).sum(), False),  # not one sum over every token
+    ],
+)
+def test_losses_only_summed_get_their_gradient_in_the_forward(monkeypatch, reduce, summed):
+    """Where only a sum over every token reads the losses, each token's cotangent is the same, and
+    the gradient is computed in the forward (no second head product); otherwise the logits are
+    recomputed in the backward. Both equal optax's gradients (f32 rounding)."""
+    flags = []
+    chunked = head_loss.chunked_softmax_cross_entropy
+    monkeypatch.setattr(head_loss, "chunked_softmax_cross_entropy", lambda *a, **k: flags.append(k["summed"]) or chunked(*a, **k))
+    model = _TinyLM()
+    x, y = batch()
+    params = init(model, x)
+    mask = (jnp.arange(T) % 3 != 0).astype(jnp.float32)[None, :] * jnp.ones((B, 1))
+
+    def loss(p, x, y):
+        return reduce(optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y), mask)
+
+    step = chunked_head_loss(loss, chunk=7)  # 24 tokens: the last chunk padded
+    got = jax.jit(jax.grad(step))(params, x, y)
+    chex.assert_trees_all_close(got, jax.jit(jax.grad(loss))(params, x, y), rtol=1e-5, atol=1e-7)
+    assert flags == [False, summed]  # the look at the trace, then the step
+    # Summed: three products per chunk (logits, dh, dw), all in the forward; else a fourth, the
+    # logits again in the backward (besides, the head's own product, unused: XLA removes it).
+    products = str(jax.make_jaxpr(jax.grad(step))(params, x, y)).count("dot_general[")
+    assert products == (4 if summed else 5)

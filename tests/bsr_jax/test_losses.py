@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -117,6 +118,24 @@ def test_inside_a_checkpoint_that_keeps_products_the_chunk_logits_are_not_kept()
     h, w, labels = inputs()
     loss = jax.checkpoint(lambda h, w: chunked_softmax_cross_entropy(h, w, labels, chunk=8).mean(), policy=policy)
     assert _largest_array(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h, w).jaxpr) <= max(8 * V, (B * T + 8) * D, D * V)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_summed_losses_take_their_gradient_from_the_forward(dtype):
+    """``summed=True`` (the losses only summed with one weight): the same loss and gradients as the
+    recomputing form (f32: summation order; bf16 h: each token's dlogits is rounded to bf16 before
+    the cotangent's scale rather than after, so the weight gradient's sums of rounded terms differ
+    by up to ~1% of its largest element), padded chunk, negative labels and bias included; no array
+    of all the logits either."""
+    h, w, labels = inputs()
+    h = h.astype(dtype)
+    labels = labels.at[0, 0].set(-1)
+    b = jax.random.normal(jax.random.key(7), (V,))
+    losses = lambda summed: lambda h, w, b: 3.0 * chunked_softmax_cross_entropy(h, w, labels, chunk=7, bias=b, summed=summed).mean()
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-3)  # largest dw element ~0.15
+    got, want = (jax.jit(jax.value_and_grad(losses(s), argnums=(0, 1, 2)))(h, w, b) for s in (True, False))
+    chex.assert_trees_all_close(got, want, **tol)
+    assert _largest_array(jax.make_jaxpr(jax.grad(losses(True), argnums=(0, 1)))(h, w, b).jaxpr) <= max(7 * V, (B * T + 7) * D, D * V)
 
 
 def test_bad_arguments_raise():
