@@ -17,7 +17,8 @@ pass. Where the caller knows the losses are only summed with one weight (``summe
 ``.mean()``; ``bsr_jax.chunked_head_loss`` reads it from the traced loss function), the forward
 computes the gradient as it goes, as Liger Kernel does, and the backward only scales it: no second
 product (the 12 x 768 LM's dense step with the chunked loss: 60.09 -> 59.13 ms on H100, modelled;
-the plain loss's 59.28), at ``dh``'s and ``dw``'s bytes kept from the forward on. Loss and gradients are the plain form's up to f32 rounding (the products accumulate in f32).
+the plain loss's 59.28), at ``dh``'s and ``dw``'s bytes kept from the forward on. Loss and
+gradients are the plain form's up to f32 rounding (the products accumulate in f32).
 ``logits_dtype`` rounds each logit to the head's output dtype first (a bf16 ``nn.Dense`` returns
 bf16 logits): the chunked loss then reads the values the plain loss reads.
 
@@ -115,8 +116,8 @@ _chunked_losses.defvjp(_fwd, _bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _summed_losses(h: jax.Array, w: jax.Array, b: jax.Array | None, labels: jax.Array, logits_dtype: jnp.dtype) -> jax.Array:
     """``_chunked_losses`` with the gradient computed in the forward, each token's at weight 1: its
-    backward scales ``dh`` per token (exact for any cotangent) and ``dw``, ``db`` by the first token's
-    cotangent, right only where every token's is the same (a sum or mean of the losses)."""
+    backward scales ``dh`` per token (exact for any cotangent) and ``dw``, ``db`` by one cotangent,
+    right only where every token's is the same (a sum or mean of the losses)."""
     return _summed_fwd(h, w, b, labels, logits_dtype)[0]
 
 
@@ -133,7 +134,10 @@ def _summed_fwd(h, w, b, labels, logits_dtype):
 
 def _summed_bwd(logits_dtype, residuals, g):
     dh, dw, db, w_zero, b_zero = residuals
-    scale = g.reshape(-1)[0]  # the same for every token (the first is never padding)
+    # Every token's is the same, but for tokens whose loss the caller replaced (optax's out-of-range
+    # labels read NaN; their dlogits are 0 here): the cotangent of largest magnitude.
+    flat = g.reshape(-1)
+    scale = flat[jnp.argmax(jnp.abs(flat))]
     dh = (dh.astype(jnp.float32) * g[..., None]).astype(dh.dtype)
     return dh, (dw * scale).astype(w_zero.dtype), None if db is None else (db * scale).astype(b_zero.dtype), None
 
