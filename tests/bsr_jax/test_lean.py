@@ -379,7 +379,7 @@ def test_a_linear_layer_alone_runs_without_a_checkpoint():
     nothing their backward reads: no checkpoint, so no optimization barrier in front of their
     backward. With one, XLA kept each convolution's kernel live in its own layout beside the
     transposed copy it made for the forward until that layer's backward (transformers' ResNet-50,
-    B 16, 128 px, H100: lean at 1.07x of dense's peak; test_compiled's slow test). Not where a
+    B 16, 128 px, H100: lean at 1.07x of dense's peak, now 1.01; test_compiled's slow test). Not where a
     product reads the model's input only (XLA then kept a layout copy of ViT-B/16's images), nor
     one over several axes (its out projection's input twice), nor an equation's output pulled into
     its run (a transpose: plain autodiff would keep that output, the checkpoint keeps its input)."""
