@@ -138,8 +138,9 @@ def test_lean_raises_a_transformers_resnet50s_peak_by_under_one_percent():
     """At ResNet-50's depth (B 16, 128 px, BatchNorm on batch statistics) lean alone was 1.068x of
     dense's peak on H100 (772.3 against 723.2 MiB): each convolution's checkpoint held its kernel in
     its own layout beside the transposed copy XLA made for the forward until that layer's backward.
-    Measured since: 1.009 (729.6 MiB). Still above dense, which the default must not be: the bound
-    says where it stands, not where it must get to (docs/RESULTS.md 14.6)."""
+    Measured since: 1.009 (729.6 MiB), with the same buffers live at the peak as dense's, kind by
+    kind: the rest is XLA's heap packing. Still above dense, which the default must not be: the
+    bound says where it stands, not where it must get to (docs/RESULTS.md 14.6)."""
     config = dataclasses.replace(tpm.ResNetConfig(), num_labels=10)
     dense = _hf_resnet_peak("h100", batch=16, config=config)
     assert _hf_resnet_peak("h100", bsr_jax.Rule("*", None), batch=16, config=config) <= 1.01 * dense
