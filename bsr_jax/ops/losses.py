@@ -50,9 +50,8 @@ def _logits(h: jax.Array, w: jax.Array, b: jax.Array | None, logits_dtype: jnp.d
     return (logits if b is None else logits + b.astype(logits_dtype)).astype(jnp.float32)
 
 
-def _forward_chunk(h, w, b, labels, logits_dtype) -> tuple[jax.Array, jax.Array]:
-    """Per-token ``(loss, logsumexp)`` of one chunk, f32 ``(C,)`` each; negative labels give loss 0."""
-    logits = _logits(h, w, b, logits_dtype)
+def _chunk_losses(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token ``(loss, logsumexp)`` of one chunk's f32 logits, f32 ``(C,)`` each; negative labels give loss 0."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[:, None], axis=-1)[:, 0]
     return jnp.where(labels >= 0, lse - picked, 0.0), lse
@@ -67,7 +66,7 @@ def _chunked_losses(h: jax.Array, w: jax.Array, b: jax.Array | None, labels: jax
 def _fwd(h, w, b, labels, logits_dtype):
     def body(_, chunk):
         h_c, labels_c = chunk
-        return None, _forward_chunk(h_c, w, b, labels_c, logits_dtype)
+        return None, _chunk_losses(_logits(h_c, w, b, logits_dtype), labels_c)
 
     _, (losses, lse) = jax.lax.scan(body, None, (h, labels))
     # Named as a small value worth keeping: inside a jax.checkpoint with bsr_jax.rewrite.lean_graph's policy
@@ -124,22 +123,22 @@ def _summed_losses(h: jax.Array, w: jax.Array, b: jax.Array | None, labels: jax.
 def _summed_fwd(h, w, b, labels, logits_dtype):
     def per_chunk(h_c, labels_c):
         logits = _logits(h_c, w, b, logits_dtype)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, jnp.maximum(labels_c, 0)[:, None], axis=-1)[:, 0]
-        return (jnp.where(labels_c >= 0, lse - picked, 0.0), *_chunk_gradient(logits, lse, h_c, w, labels_c, jnp.ones_like(lse)))
+        losses, lse = _chunk_losses(logits, labels_c)
+        return (losses, *_chunk_gradient(logits, lse, h_c, w, labels_c, jnp.ones_like(lse)))
 
     losses, dh, dw, db = _accumulate(h, w, b, labels, per_chunk)
-    return losses, (dh, dw, db, jnp.zeros((), w.dtype), None if b is None else jnp.zeros((), b.dtype))
+    # w and b (parameters, live anyway) only for the dtypes the gradients come back in.
+    return losses, (dh, dw, db, w, b)
 
 
 def _summed_bwd(logits_dtype, residuals, g):
-    dh, dw, db, w_zero, b_zero = residuals
+    dh, dw, db, w, b = residuals
     # Every token's is the same, but for tokens whose loss the caller replaced (optax's out-of-range
     # labels read NaN; their dlogits are 0 here): the cotangent of largest magnitude.
     flat = g.reshape(-1)
     scale = flat[jnp.argmax(jnp.abs(flat))]
     dh = (dh.astype(jnp.float32) * g[..., None]).astype(dh.dtype)
-    return dh, (dw * scale).astype(w_zero.dtype), None if db is None else (db * scale).astype(b_zero.dtype), None
+    return dh, (dw * scale).astype(w.dtype), None if db is None else (db * scale).astype(b.dtype), None
 
 
 _summed_losses.defvjp(_summed_fwd, _summed_bwd)
