@@ -200,6 +200,20 @@ class CostModel:
             return remat[block] + (theirs - remat[like]) * (keep[block] - remat[block]) / (keep[like] - remat[like])
         return theirs * (keep[block] + tiny) / (keep[like] + tiny)  # their ratio
 
+    def alike(self, within: float = 0.05) -> bool:
+        """Whether the blocks learnt from, but the first, keep bytes and spend kernel seconds within
+        ``within`` of each other under ``keep``: an option a probe measured on one then holds for
+        all of them (the 12 x 768 LM, ViT-B/16, ResMLP-S12; not ResNet-50's stages). The first
+        holds what the model's input side adds (ViT-B/16's: 6% more kernel time, ResMLP-S12's: 8%
+        fewer bytes), which ``_carried`` maps along the ``keep``/``remat`` line."""
+        learnt = self.blocks[: learnt_blocks(len(self.blocks))]
+        learnt = learnt[1:] or learnt
+        for table in (self.kept, self.device):
+            figures = [float(np.mean(table[(b, "keep")])) for b in learnt if (b, "keep") in table]
+            if not figures or min(figures) <= 0 or max(figures) > (1 + within) * min(figures):
+                return False
+        return True
+
     def _rest(self, rest: str, loss: str) -> tuple[float, float, float]:
         """What the rest's and the loss's choice keeps, and its kernels' and host copies' seconds,
         beyond keep and the plain loss."""

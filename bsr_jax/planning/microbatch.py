@@ -10,6 +10,7 @@ summation order). ``plan(..., microbatches=k)`` measures steps built with it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,7 +65,9 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     same work in smaller pieces: slower): keep or remat per block (where ``options`` has it) up to
     the fewest count where such a plan fits, the dense step alone beyond. A count whose dense step
     (the fastest step at that count: every option trades time for memory) is no faster than the
-    fastest plan found ends the search before anything else is compiled at it."""
+    fastest plan found ends the search before anything else is compiled at it. ``plan_at(budget=,
+    microbatches=, beat=, **plan's arguments)``: ``plan`` at one count, compiling no candidate the
+    cost model predicts slower than ``beat`` seconds (the fastest plan found so far)."""
     dense_plan = plan_at(budget=1.0, microbatches=1, **DENSE_ONLY)  # one compile, kept in the shared cache
     dense = dense_plan.dense
     kind, amount = parse_budget(budget)
@@ -73,8 +76,10 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
 
     def at(k: int, allowed: list[str] | None = None) -> Plan | None:
         """The plan at ``k`` micro-batches (``allowed``: only those options, the rest kept, one
-        candidate verified), or None where nothing fits."""
-        narrowed = {} if allowed is None else dict(options=allowed, rest_options=["keep"], verify=1, loss_chunk=None)
+        candidate verified, none compiled that the cost model predicts slower than the fastest plan
+        found), or None where nothing fits."""
+        narrowed = {} if allowed is None else dict(options=allowed, rest_options=["keep"], verify=1, loss_chunk=None,
+                                                   beat=min((p.modelled_seconds for p in found), default=math.inf))  # fmt: skip
         try:
             return dataclasses.replace(plan_at(budget=limit, microbatches=k, **narrowed), dense=dense)
         except NoFit as error:

@@ -40,7 +40,9 @@ path), and blocks stacked for ``nnx.scan`` are not supported.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -61,6 +63,11 @@ from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 from bsr_jax.planning.result import Measured, NoFit, Plan
 from bsr_jax.rewrite.rules import LayerTable, layer_table
+
+
+# microbatches="auto": the modelled time of the fastest plan found at another count, which a plan
+# at this count must be predicted to beat for a candidate to be compiled (``_verify``'s ``beat``).
+_TO_BEAT: contextvars.ContextVar[float] = contextvars.ContextVar("bsr_jax_plan_to_beat", default=math.inf)
 
 
 def _check_loss(loss_fn: Callable[..., jax.Array], family: type, batch: Sequence[Any]) -> None:
@@ -200,7 +207,15 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
             raise ValueError("microbatches='auto' needs a flax.linen model (NNX: not yet)")
         same = dict(optimizer=optimizer, target=target, options=options, rest_options=rest_options, verify=verify, variables=variables,
                     init_args=init_args, progress=progress, cache={} if cache is None else cache, loss_chunk=loss_chunk)  # fmt: skip
-        return fastest_count(lambda **kw: plan(model, loss_fn, *example_batch, **(same | kw)), budget, batch, options)
+
+        def at_count(beat: float = math.inf, **kw: Any) -> Plan:
+            token = _TO_BEAT.set(beat)
+            try:
+                return plan(model, loss_fn, *example_batch, **(same | kw))
+            finally:
+                _TO_BEAT.reset(token)
+
+        return fastest_count(at_count, budget, batch, options)
     microbatches = check_microbatches(microbatches, batch, auto=True)
     if microbatches != 1 and family_type is not Linen:
         raise ValueError("microbatches > 1 needs a flax.linen model (NNX: not yet)")
@@ -309,15 +324,24 @@ def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence
     for key, (m, _) in search.cache.items():  # what earlier calls sharing the cache compiled
         if key not in model.steps and m.compiled:
             model.observe(key, m.peak, m.seconds)
-    _verify(search, model, names, variants, limit, verify)
+    _verify(search, model, names, variants, limit, verify, _TO_BEAT.get())
     return _fastest_fitting(search, names, variants, limit, infeasible)
 
 
-def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float, verify: int) -> None:
-    """Compiles what ``model`` predicts fastest within ``limit`` from keep and remat alone (the options
-    measured on every block), then what it predicts fastest from all ``names``, recalibrating it with
-    each, until ``verify`` fit, ``2 * verify`` were compiled, or its fastest is one compiled already
-    (one over ``limit`` asks it for that much less)."""
+# How much slower than a compiled candidate within budget the cost model may predict another and
+# still have it compiled: its predicted times came within 1% of the compiled ones (docs/RESULTS.md 12).
+WORTH = 1.02
+
+
+def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float, verify: int,
+            beat: float = math.inf) -> None:  # fmt: skip
+    """Compiles what ``model`` predicts fastest within ``limit`` from all ``names``, recalibrating it
+    with each, until ``verify`` fit, ``2 * verify`` were compiled, or its fastest is one compiled
+    already (one over ``limit`` asks it for that much less). Its fastest from keep and remat alone
+    (the options measured on every block) is compiled before those where blocks differ
+    (``CostModel.alike``), after them where they are alike and it is predicted the faster. Nothing
+    predicted slower than a compiled candidate within budget, or than ``beat`` (seconds: a plan
+    found at another micro-batch count), by more than ``WORTH`` is compiled."""
     fits, tried, asked = 0, 0, limit
 
     def calibrated(key: tuple) -> Measured:
@@ -329,15 +353,28 @@ def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants
             model.observe(key, measured.peak, measured.seconds)
         return measured
 
+    def worth(key: tuple) -> bool:
+        fastest = min((m.seconds for m, _ in search.cache.values() if m.compiled and m.peak <= limit), default=math.inf)
+        return model.predict(key)[1] < min(fastest, beat) * WORTH
+
     # Keep and remat are measured on every block (the dense step, remat on every block); the other
     # options on the blocks the probes gave them, the rest extrapolated. Where blocks differ (ResNet-50's
     # stages) that extrapolation misled the solver: on TPU v5p at 0.7 it found 1.16x where keep and
-    # remat alone give 1.09x. So the best of those two, predicted from measurements only, is compiled too.
+    # remat alone give 1.09x; at 0.5 on H100, three candidates from all options compiled over the
+    # budget (bytes extrapolated 330 MiB short) before keep and remat alone fit. There the best of
+    # those two is compiled first; where blocks are alike, last and only where it may be the faster
+    # (on the 12 x 768 LM at 0.3, predicted 75.04 ms against 68.44 compiled: 12 s of compiling saved).
     measured_everywhere = [o for o in MEASURED_EVERYWHERE if o in names]
-    if verify and measured_everywhere and len(measured_everywhere) < len(names):
+    safe = verify and measured_everywhere and len(measured_everywhere) < len(names)
+    alike = model.alike()
+
+    def safest() -> None:
         key = model.solve(limit, measured_everywhere, variants)
-        if key is not None and key not in search.cache:
+        if key is not None and key not in search.cache and worth(key):
             calibrated(key)
+
+    if safe and not alike:
+        safest()
     while fits < verify and tried < 2 * verify:
         key = model.solve(asked, names, variants)
         compiled = search.cache[key][0] if key in search.cache else None
@@ -346,12 +383,14 @@ def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants
             # at 0.5: 5,558 MiB in 5,556, predicted 5,513): ask it for that much less.
             asked -= compiled.peak - limit + 0.005 * limit
             continue
-        if key is None or key in search.cache:
-            break  # nothing predicted fits, or the model's fastest was compiled already
+        if key is None or key in search.cache or not worth(key):
+            break  # nothing predicted fits, the model's fastest was compiled already, or it cannot win
         compiled_before = len(search.programs)
         measured = calibrated(key)
         tried += len(search.programs) > compiled_before
         fits += measured.compiled and measured.peak <= limit
+    if safe and alike:
+        safest()
 
 
 def _fastest_fitting(search: Candidates, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,

@@ -214,6 +214,25 @@ class _Search:
         return self.cache[key][0]
 
 
+def test_blocks_are_alike_where_their_keep_figures_are_within_five_percent():
+    """``CostModel.alike`` from the dense step's shares: bytes and kernel seconds of the blocks learnt
+    from (not the last three of six) but the first within 5% of each other; ResNet-style stages are not."""
+    blocks = [f"b{i}" for i in range(6)]
+
+    def model(kept, seconds):
+        m = cost.CostModel(blocks)
+        step = _step([(f"{b}/x", k) for b, k in zip(blocks, kept)] + [("rest", 50)],
+                     [(f"{b}/k", t) for b, t in zip(blocks, seconds)] + [("rest", 1.0)], seconds=sum(seconds) + 1.0)  # fmt: skip
+        m.observe(((("keep",) * 6), "keep", "plain"), step.peak, step.roofline_seconds, cost.shares(step, blocks))
+        return m
+
+    assert model([100, 104, 102, 300, 1, 1], [1.0] * 6).alike()  # the last three are not learnt from
+    assert model([90, 104, 102, 100, 100, 100], [1.1, 1.0, 1.0, 1.0, 1.0, 1.0]).alike()  # nor the first compared
+    assert not model([100, 106, 100, 100, 100, 100], [1.0] * 6).alike()  # bytes 6% apart
+    assert not model([100] * 6, [1.0, 1.0, 1.1, 1.0, 1.0, 1.0]).alike()  # seconds 10% apart
+    assert not cost.CostModel(blocks).alike()  # nothing measured: nothing known alike
+
+
 def test_a_candidate_compiled_just_over_the_budget_makes_the_search_ask_for_less():
     """ViT-B/16 at 0.5 (H100): the model's fastest compiled to 5,558 MiB in a budget of 5,556
     (predicted 5,513, within the 1% its peak terms leave unexplained), was solved again as the
@@ -231,6 +250,9 @@ def test_a_candidate_compiled_just_over_the_budget_makes_the_search_ask_for_less
         def observe(self, key, peak, seconds):
             pass
 
+        def alike(self):
+            return True
+
     search = _Search(lambda key, predicted: (101 if key == over else 90, predicted[1]))
     planner_search._verify(search, Model(), ["a", "b"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [over, under]
@@ -239,7 +261,8 @@ def test_a_candidate_compiled_just_over_the_budget_makes_the_search_ask_for_less
 def test_the_best_of_the_options_measured_on_every_block_is_compiled_too():
     """ResNet-50 on TPU v5p at 0.7: the solver, extrapolating options the probes measured on one or
     two of 16 unlike blocks, predicted 20.19 ms and compiled 21.48 (1.16x), and stopped there; keep
-    and remat alone, measured on every block, give 20.14 ms (1.09x). Their best is compiled first."""
+    and remat alone, measured on every block, give 20.14 ms (1.09x). Where blocks differ, their
+    best is compiled first."""
     safe, extrapolated = (("keep", "remat"), "keep", "plain"), (("remat-dots", "keep"), "keep", "plain")
 
     class Model:
@@ -252,7 +275,41 @@ def test_the_best_of_the_options_measured_on_every_block_is_compiled_too():
         def observe(self, key, peak, seconds):
             pass
 
+        def alike(self):
+            return False
+
     search = _Search(lambda key, predicted: (90, 2.0 if key == safe else 2.5))  # compiled: slower than predicted
     planner_search._verify(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [safe, extrapolated]
     assert min((m.seconds, key) for key, (m, _) in search.cache.items())[1] == safe
+
+
+def test_nothing_predicted_slower_than_a_compiled_plan_is_compiled():
+    """The 12 x 768 LM at 0.3 (H100): keep and remat alone were predicted 75.04 ms where the solver's
+    candidate had compiled at 68.44 within budget, and were compiled anyway (12 s). Where blocks are
+    alike, they come last, and a candidate is compiled only where predicted faster than the fastest
+    compiled within budget, and than ``beat`` (a plan at another micro-batch count), by less than
+    ``WORTH``."""
+    safe, extrapolated = (("keep", "remat"), "keep", "plain"), (("remat-dots", "keep"), "keep", "plain")
+
+    class Model:
+        def solve(self, asked, names, variants):
+            return safe if set(names) <= {"keep", "remat"} else extrapolated
+
+        def predict(self, key):
+            return (90.0, 2.0) if key == safe else (90.0, 1.5)
+
+        def observe(self, key, peak, seconds):
+            pass
+
+        def alike(self):
+            return True
+
+    search = _Search(lambda key, predicted: (90, predicted[1]))  # compiled as predicted
+    planner_search._verify(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
+    assert list(search.cache) == [extrapolated]
+    # Another count's plan at 1.4: neither is worth compiling; at 1.48, the extrapolated one is (1.5 < 1.48 * 1.02).
+    for beat, compiled in ((1.4, []), (1.48, [extrapolated])):
+        search = _Search(lambda key, predicted: (90, predicted[1]))
+        planner_search._verify(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3, beat=beat)
+        assert list(search.cache) == compiled
