@@ -17,8 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bsr_jax.planning.options import parse_budget
-from bsr_jax.planning.result import NoFit, Plan
+from bsr_jax.planning.cost import WORTH
+from bsr_jax.planning.options import LOSS, REST, parse_budget
+from bsr_jax.planning.result import Measured, NoFit, Plan
 
 
 AUTO = "auto"  # plan(microbatches=AUTO): the count is searched
@@ -65,7 +66,8 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     same work in smaller pieces: slower): keep or remat per block (where ``options`` has it) up to
     the fewest count where such a plan fits, the dense step alone beyond. A count whose dense step
     (the fastest step at that count: every option trades time for memory) is no faster than the
-    fastest plan found ends the search before anything else is compiled at it. ``plan_at(budget=,
+    fastest plan found ends the search before anything else is compiled at it, and a count where no
+    mix of keep and remat can be faster (``remat_bound``) is passed over. ``plan_at(budget=,
     microbatches=, beat=, **plan's arguments)``: ``plan`` at one count, compiling no candidate the
     cost model predicts slower than ``beat`` seconds (the fastest plan found so far)."""
     dense_plan = plan_at(budget=1.0, microbatches=1, **DENSE_ONLY)  # one compile, kept in the shared cache
@@ -92,8 +94,13 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
         # At k > 1 only keep or remat per block: every option at every count would multiply the search.
         narrowed = ["keep", *(["remat"] if "remat" in options else [])]
         for k in (k for k in (2, 4, 8) if divides(k, batch)):
-            if found and not faster_than(plan_at, k, min(p.modelled_seconds for p in found)):
-                break
+            if found:
+                # The dense step is the fastest step at k (one compile, kept in the shared cache for the search there).
+                best, dense_k = min(p.modelled_seconds for p in found), dense_at(plan_at, k)
+                if dense_k is not None and dense_k.seconds >= best:
+                    break
+                if one is not None and narrowed != ["keep"] and remat_bound(one, dense_k, k, limit) >= best * WORTH:
+                    continue  # no mix of keep and remat at k can be faster: remat on every block there is not compiled
             if (p := at(k, narrowed)) is None:
                 continue
             found.append(p)
@@ -110,16 +117,34 @@ def fastest_count(plan_at: Callable[..., Plan], budget: float | str, batch: Any,
     return min(found, key=lambda p: p.modelled_seconds)
 
 
-def faster_than(plan_at: Callable[..., Plan], k: int, seconds: float) -> bool:
-    """Whether the dense step at ``k`` micro-batches is modelled faster than ``seconds`` (one
-    compile, kept in the shared cache for the search at ``k``). A step XLA refuses to compile
-    (more than the device holds) is searched on."""
+def dense_at(plan_at: Callable[..., Plan], k: int) -> Measured | None:
+    """The dense step at ``k`` micro-batches; None where XLA refuses to compile it (more than the
+    device holds: the search goes on at ``k``)."""
     try:
-        return plan_at(budget=1.0, microbatches=k, **DENSE_ONLY).modelled_seconds < seconds
+        return plan_at(budget=1.0, microbatches=k, **DENSE_ONLY).dense
     except ValueError as error:
         if "does not compile" not in str(error):
             raise
-        return True
+        return None
+
+
+def remat_bound(one: Plan, dense: Measured | None, k: int, limit: float) -> float:
+    """A lower bound on the modelled time of a plan of keep or remat per block at ``k`` micro-batches
+    within ``limit``, from ``one`` (the plan at one micro-batch: its dense step and remat on every
+    block) and ``dense``, the dense step at ``k``: the fewest blocks under remat that bring the
+    dense step within ``limit``, each saving a ``k``-th of what remat saves a block at one
+    micro-batch (10% more, to be safe) and costing its recomputation there. On the 12 x 768 LM and
+    ViT-B/16 (H100) a block saves at 2 what it does at 1, halved, to 1%; its recomputation costs
+    4-10% more (the bound is lower for it). 0 where either step is unknown."""
+    remat = one.remat
+    blocks = [path for path in one.dense.choices if path not in (REST, LOSS)]
+    if remat is None or dense is None or not dense.compiled or not blocks:
+        return 0.0
+    saved = 1.1 * (one.dense.peak - remat.peak) / len(blocks) / k
+    if saved <= 0:
+        return 0.0
+    needed = min(max(math.ceil((dense.peak - limit) / saved), 0), len(blocks))
+    return dense.seconds + needed * max(remat.seconds - one.dense.seconds, 0.0) / len(blocks)
 
 
 def divides(k: int, batch: Any) -> bool:

@@ -57,7 +57,7 @@ from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
 from bsr_jax.planning import placement
 from bsr_jax.planning.candidates import Candidates, Family, traced_on
-from bsr_jax.planning.cost import MEASURED_EVERYWHERE, CostModel, probes, shares
+from bsr_jax.planning.cost import MEASURED_EVERYWHERE, WORTH, CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
@@ -326,11 +326,6 @@ def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence
             model.observe(key, m.peak, m.seconds)
     _verify(search, model, names, variants, limit, verify, _TO_BEAT.get())
     return _fastest_fitting(search, names, variants, limit, infeasible)
-
-
-# How much slower than a compiled candidate within budget the cost model may predict another and
-# still have it compiled: its predicted times came within 1% of the compiled ones (docs/RESULTS.md 12).
-WORTH = 1.02
 
 
 def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float, verify: int,

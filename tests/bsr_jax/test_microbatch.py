@@ -1,6 +1,9 @@
 """Micro-batching (``bsr_jax.accumulated_value_and_grad``, ``plan(microbatches=)``): the gradient
 of k slices one at a time equals the whole batch's, and the compiled step holds less."""
 
+import dataclasses
+import math
+
 import chex
 import flax.linen as nn
 import jax
@@ -181,3 +184,40 @@ def test_auto_where_nothing_fits_names_the_least_peak_of_every_count():
                      target="h100", progress=False, cache=cache)  # fmt: skip
     compiled = [m.peak for m, _ in cache.values() if m.compiled]
     assert len(compiled) == 4 and refused.value.smallest.peak == min(compiled) and refused.value.microbatches == 8
+
+
+def test_auto_passes_over_a_count_where_no_mix_of_keep_and_remat_can_be_faster():
+    """The 12 x 768 LM at 0.3 (H100; MiB, ms): the plan at one micro-batch took 68.13 ms; the dense
+    step at 2 (62.47) is faster, but fitting 8,053 MiB there needs remat on at least 7 of 12 blocks
+    (each saves (26,844 - 5,167) / 12 / 2 MiB), 62.47 + 7 x 17.2 / 12 = 72.5 ms at least: remat on
+    every block at 2 (12 s of compiling) and a candidate were compiled for nothing. Where the dense
+    step at 2 is faster still, the count is searched."""
+    from bsr_jax.planning.microbatch import fastest_count, remat_bound
+    from bsr_jax.planning.options import REST
+    from bsr_jax.planning.result import Measured, Plan
+
+    blocks = {f"b{i}": "keep" for i in range(12)} | {REST: "keep"}
+    mib, ms = 2**20, 1e-3
+
+    def plan_of(peak, seconds, choices=blocks, remat=None, k=1):
+        measured = Measured(dict(choices), peak * mib, seconds * ms)
+        return Plan(model=None, loss_fn=None, choices=measured.choices, peak=measured.peak, modelled_seconds=measured.seconds, budget=0,
+                    target="h100", dense=measured, remat=remat, tried=(), compiled=None, microbatches=k)  # fmt: skip
+
+    dense1, remat1 = plan_of(26844, 59.28), plan_of(5167, 76.49, dict.fromkeys(blocks, "remat"))
+    one = dataclasses.replace(plan_of(8016, 68.13), dense=dense1.dense, remat=remat1.dense)
+    limit = int(0.3 * dense1.peak)
+    assert remat_bound(one, plan_of(14775, 62.47, k=2).dense, 2, limit) == pytest.approx((62.47 + 7 * (76.49 - 59.28) / 12) * ms)
+    for dense2, searched in ((62.47, []), (55.0, [2])):
+        calls = []
+
+        def plan_at(budget, microbatches, beat=math.inf, **narrowed):
+            if narrowed.get("options") == ["keep"] and budget == 1.0:  # the dense step alone
+                return {1: dense1, 2: plan_of(14775, dense2, k=2), 4: plan_of(8525, 68.31, k=4)}[microbatches]
+            calls.append(microbatches)
+            if microbatches == 1:
+                return one
+            raise planner.NoFit("nothing fits", one.dense, microbatches)
+
+        chosen = fastest_count(plan_at, 0.3, (jax.ShapeDtypeStruct((8, 2048), jnp.int32),), ["keep", "remat"])
+        assert chosen.modelled_seconds == one.modelled_seconds and calls == [1, *searched], (dense2, calls)
