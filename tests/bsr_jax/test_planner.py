@@ -685,3 +685,29 @@ def test_a_linen_model_with_nothing_outside_its_blocks_assembles_every_candidate
     for choices, rest in ((("remat", "keep", "lean"), "keep"), (("int4",) * 3, "lean"), (("remat",) * 3, "int4")):
         candidate = family.assemble(choices, rest)
         jax.eval_shape(lambda v: jax.grad(lambda p: loss(candidate, {"params": p}, X))(v["params"]), family.state)
+
+
+def test_a_search_compiles_with_cublas_once_a_step_of_it_has_no_triton_gemm(monkeypatch):
+    """ViT-B/16's H100 steps find no Triton tiling without the device: each compile tried Triton first
+    (2.7 s of 11.3) and fell back. Once a step of the model (at any micro-batch count) has no Triton
+    GEMM, the search's later compiles ask for cuBLAS; where one has, or on TPU, XLA's default."""
+    asked = []
+
+    def recorded(lowered, target, breakdown=False, triton_gemm=None):
+        asked.append(triton_gemm)
+        return dataclasses.replace(bsr_jax.compiled_memory(lowered, target=target, breakdown=breakdown), triton_gemm=False)
+
+    monkeypatch.setattr(candidates, "compiled_memory", recorded)
+    family = planner.Linen(Net(), _labels_loss, BATCH, None, None)
+    search = planner.Candidates(family, {"plain": _labels_loss}, BATCH, optax.adamw(1e-3), "h100", False, {})
+    search.measure(["keep"] * 4, "keep")
+    search.prefetch([(("remat",) * 4, "keep", "plain")])
+    search.measure(["remat"] * 4, "keep")
+    assert asked == [None, False]
+    other_count = planner.Candidates(family, {"plain": _labels_loss}, BATCH, optax.adamw(1e-3), "h100", False, search.shared, microbatches=2)
+    assert other_count.triton_gemm() is False
+    (key, (m, step)), = list(search.shared.items())[:1]
+    search.shared[key] = (m, dataclasses.replace(step, triton_gemm=True))  # one step of the model has Triton GEMMs
+    assert search.triton_gemm() is None
+    tpu = planner.Candidates(family, {"plain": _labels_loss}, BATCH, optax.adamw(1e-3), "tpu-v5p", False, search.shared)
+    assert tpu.triton_gemm() is None
