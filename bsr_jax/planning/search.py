@@ -21,8 +21,9 @@ How it searches, in compiles (each cached by its choices):
    up to as many options as there are blocks), measure the rest, with each choice for the rest and
    the loss. ``CostModel.solve`` finds the assignment (any option on any block) of least predicted
    time whose predicted peak fits; it is compiled, the model recalibrated with it and solved
-   again, until ``verify`` candidates fit or the model's best was compiled already. The fastest
-   compiled candidate within budget is returned.
+   again, until ``verify`` candidates fit, the model's best was compiled already, or it is
+   predicted to lose to one compiled (``_verify``). The fastest compiled candidate within budget
+   is returned.
 
 Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
 uncompiled: a plan's peak and time are those of its own compiled step. Only exact options are
