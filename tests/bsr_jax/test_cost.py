@@ -313,3 +313,31 @@ def test_nothing_predicted_slower_than_a_compiled_plan_is_compiled():
         search = _Search(lambda key, predicted: (90, predicted[1]))
         planner_search._verify(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3, beat=beat)
         assert list(search.cache) == compiled
+
+
+def test_keep_and_remat_alone_compiled_last_recalibrate_the_search():
+    """ViT-B/16 at 0.3 (H100): keep and remat alone, compiled last (blocks alike), recalibrated the
+    model, whose fastest then moved to a candidate not compiled (39.49 ms against the 39.54
+    compiled): the solver is asked again."""
+    safe, first, better = (("keep", "remat"), "keep", "plain"), (("lean", "remat"), "keep", "plain"), (("remat", "lean"), "keep", "plain")
+
+    class Model:
+        calibrated = False
+
+        def solve(self, asked, names, variants):
+            if set(names) <= {"keep", "remat"}:
+                return safe
+            return better if self.calibrated else first
+
+        def predict(self, key):
+            return (90.0, {safe: 1.52, first: 1.5, better: 1.49}[key])
+
+        def observe(self, key, peak, seconds):
+            self.calibrated |= key == safe
+
+        def alike(self):
+            return True
+
+    search = _Search(lambda key, predicted: (90, predicted[1]))
+    planner_search._verify(search, Model(), ["keep", "remat", "lean"], [("keep", "plain")], limit=100, verify=3)
+    assert list(search.cache) == [first, safe, better]
