@@ -22,7 +22,7 @@ How it searches, in compiles (each cached by its choices):
    the loss. ``CostModel.solve`` finds the assignment (any option on any block) of least predicted
    time whose predicted peak fits; it is compiled, the model recalibrated with it and solved
    again, until ``verify`` candidates fit, the model's best was compiled already, or it is
-   predicted to lose to one compiled (``_verify``). The fastest compiled candidate within budget
+   predicted to lose to one compiled (``bsr_jax.planning.verify``). The fastest compiled candidate within budget
    is returned.
 
 Peaks are not additive (XLA reschedules, remat's recompute is transient), so nothing is trusted
@@ -58,16 +58,17 @@ from bsr_jax.ops.head_loss import check_chunk, chunked_head_loss
 from bsr_jax.planning import nnx as planner_nnx
 from bsr_jax.planning import placement
 from bsr_jax.planning.candidates import Candidates, Family, traced_on
-from bsr_jax.planning.cost import MEASURED_EVERYWHERE, WORTH, CostModel, probes, shares
+from bsr_jax.planning.cost import CostModel, probes, shares
 from bsr_jax.planning.linen import Linen, assemble, find_blocks
 from bsr_jax.planning.microbatch import AUTO, check_microbatches, fastest_count
 from bsr_jax.planning.options import EXACT, LOSS, OPTIONS, REST, REST_OPTIONS, Option, abstract, parse_budget
 from bsr_jax.planning.result import Measured, NoFit, Plan
+from bsr_jax.planning.verify import compile_predicted
 from bsr_jax.rewrite.rules import LayerTable, layer_table
 
 
 # microbatches="auto": the modelled time of the fastest plan found at another count, which a plan
-# at this count must be predicted to beat for a candidate to be compiled (``_verify``'s ``beat``).
+# at this count must be predicted to beat for a candidate to be compiled (``compile_predicted``'s ``beat``).
 _TO_BEAT: contextvars.ContextVar[float] = contextvars.ContextVar("bsr_jax_plan_to_beat", default=math.inf)
 
 
@@ -306,7 +307,7 @@ def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence
     variant, ``CostModel.solve`` predicts the fastest assignment that fits, which is compiled, and
     the model, calibrated by every step compiled so far, is solved again, until ``verify``
     candidates fit, ``2 * verify`` were compiled, or the model's best is one already compiled
-    (``_verify``). Where one of them (or ``model``'s reference, the dense step: ``model`` None)
+    (``compile_predicted``). Where one of them (or ``model``'s reference, the dense step: ``model`` None)
     needs more than the device holds, XLA compiles nothing to learn from: the fastest of those
     that compiled."""
     blocks = search.family.blocks
@@ -325,76 +326,8 @@ def _modelled_search(search: Candidates, model: CostModel | None, keys: Sequence
     for key, (m, _) in search.cache.items():  # what earlier calls sharing the cache compiled
         if key not in model.steps and m.compiled:
             model.observe(key, m.peak, m.seconds)
-    _verify(search, model, names, variants, limit, verify, _TO_BEAT.get())
+    compile_predicted(search, model, names, variants, limit, verify, _TO_BEAT.get())
     return _fastest_fitting(search, names, variants, limit, infeasible)
-
-
-def _verify(search: Candidates, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float, verify: int,
-            beat: float = math.inf) -> None:  # fmt: skip
-    """Compiles what ``model`` predicts fastest within ``limit`` from all ``names``, recalibrating it
-    with each, until ``verify`` fit, ``2 * verify`` were compiled, or its fastest is one compiled
-    already (one over ``limit`` asks it for that much less). Its fastest from keep and remat alone
-    (the options measured on every block) is compiled before those where blocks differ
-    (``CostModel.alike``), after them where they are alike and it is predicted the faster. Nothing
-    predicted slower than a compiled candidate within budget, or than ``beat`` (seconds: a plan
-    found at another micro-batch count), by more than ``WORTH`` is compiled."""
-    fits, tried, asked = 0, 0, limit
-
-    def calibrated(key: tuple) -> Measured:
-        # Each compiled step calibrates the model: its last block's option's base (peaks are not
-        # additive: XLA reschedules, and the backward's first block holds what it recomputes).
-        # One XLA refused (more than the device holds) teaches nothing; solved again, it is cached: the loop ends.
-        measured = search.measure(*key, predicted=model.predict(key))
-        if measured.compiled:
-            model.observe(key, measured.peak, measured.seconds)
-        return measured
-
-    def worth(key: tuple) -> bool:
-        fastest = min((m.seconds for m, _ in search.cache.values() if m.compiled and m.peak <= limit), default=math.inf)
-        return model.predict(key)[1] < min(fastest, beat) * WORTH
-
-    # Keep and remat are measured on every block (the dense step, remat on every block); the other
-    # options on the blocks the probes gave them, the rest extrapolated. Where blocks differ (ResNet-50's
-    # stages) that extrapolation misled the solver: on TPU v5p at 0.7 it found 1.16x where keep and
-    # remat alone give 1.09x; at 0.5 on H100, three candidates from all options compiled over the
-    # budget (bytes extrapolated 330 MiB short) before keep and remat alone fit. There the best of
-    # those two is compiled first; where blocks are alike, last and only where it may be the faster
-    # (on the 12 x 768 LM at 0.3, predicted 75.04 ms against 68.44 compiled: 12 s of compiling saved).
-    measured_everywhere = [o for o in MEASURED_EVERYWHERE if o in names]
-    safe = verify and measured_everywhere and len(measured_everywhere) < len(names)
-    alike = model.alike()
-
-    def safest() -> bool:
-        key = model.solve(limit, measured_everywhere, variants)
-        if key is None or key in search.cache or not worth(key):
-            return False
-        calibrated(key)
-        return True
-
-    def solved() -> None:
-        nonlocal fits, tried, asked
-        while fits < verify and tried < 2 * verify:
-            key = model.solve(asked, names, variants)
-            compiled = search.cache[key][0] if key in search.cache else None
-            if compiled is not None and compiled.compiled and compiled.peak > limit:
-                # Predicted to fit, compiled over the budget by less than the model tells apart (ViT-B/16
-                # at 0.5: 5,558 MiB in 5,556, predicted 5,513): ask it for that much less.
-                asked -= compiled.peak - limit + 0.005 * limit
-                continue
-            if key is None or key in search.cache or not worth(key):
-                break  # nothing predicted fits, the model's fastest was compiled already, or it cannot win
-            compiled_before = len(search.programs)
-            measured = calibrated(key)
-            tried += len(search.programs) > compiled_before
-            fits += measured.compiled and measured.peak <= limit
-
-    if safe and not alike:
-        safest()
-    solved()
-    if safe and alike and safest():
-        # Compiled, it recalibrated the model, whose fastest may have moved (ViT-B/16 at 0.3: from
-        # 39.54 ms compiled to 9xremat + 2xlean + 1xkeep, 39.49).
-        solved()
 
 
 def _fastest_fitting(search: Candidates, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,

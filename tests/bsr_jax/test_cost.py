@@ -9,7 +9,7 @@ import pytest
 from bsr_jax.measure.compiled import CompiledStep, LiveBuffer
 from bsr_jax.measure.roofline import Kernel
 from bsr_jax.planning import cost
-from bsr_jax.planning import search as planner_search
+from bsr_jax.planning.verify import compile_predicted
 from bsr_jax.planning.options import REST
 from bsr_jax.planning.result import Measured
 
@@ -202,7 +202,7 @@ def test_one_inflated_figure_among_alike_blocks_does_not_decide_for_the_others()
 
 
 class _Search:
-    """``_verify``'s view of ``Candidates``: ``compiled(key, predicted) -> (peak, seconds)``."""
+    """``compile_predicted``'s view of ``Candidates``: ``compiled(key, predicted) -> (peak, seconds)``."""
 
     def __init__(self, compiled):
         self.cache, self.programs, self.compiled = {}, {}, compiled
@@ -254,7 +254,7 @@ def test_a_candidate_compiled_just_over_the_budget_makes_the_search_ask_for_less
             return True
 
     search = _Search(lambda key, predicted: (101 if key == over else 90, predicted[1]))
-    planner_search._verify(search, Model(), ["a", "b"], [("keep", "plain")], limit=100, verify=3)
+    compile_predicted(search, Model(), ["a", "b"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [over, under]
 
 
@@ -279,7 +279,7 @@ def test_the_best_of_the_options_measured_on_every_block_is_compiled_too():
             return False
 
     search = _Search(lambda key, predicted: (90, 2.0 if key == safe else 2.5))  # compiled: slower than predicted
-    planner_search._verify(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
+    compile_predicted(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [safe, extrapolated]
     assert min((m.seconds, key) for key, (m, _) in search.cache.items())[1] == safe
 
@@ -306,12 +306,12 @@ def test_nothing_predicted_slower_than_a_compiled_plan_is_compiled():
             return True
 
     search = _Search(lambda key, predicted: (90, predicted[1]))  # compiled as predicted
-    planner_search._verify(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
+    compile_predicted(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [extrapolated]
     # Another count's plan at 1.4: neither is worth compiling; at 1.48, the extrapolated one is (1.5 < 1.48 * 1.02).
     for beat, compiled in ((1.4, []), (1.48, [extrapolated])):
         search = _Search(lambda key, predicted: (90, predicted[1]))
-        planner_search._verify(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3, beat=beat)
+        compile_predicted(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3, beat=beat)
         assert list(search.cache) == compiled
 
 
@@ -339,5 +339,5 @@ def test_keep_and_remat_alone_compiled_last_recalibrate_the_search():
             return True
 
     search = _Search(lambda key, predicted: (90, predicted[1]))
-    planner_search._verify(search, Model(), ["keep", "remat", "lean"], [("keep", "plain")], limit=100, verify=3)
+    compile_predicted(search, Model(), ["keep", "remat", "lean"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [first, safe, better]
