@@ -59,12 +59,12 @@ from typing import Any, TypeVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jax_core
 
 from bsr_jax.core import layer_choice
+from bsr_jax.core.call_arrays import split_arrays
 from bsr_jax.core.jax_private import lax_numpy
 from bsr_jax.core.names import HEAD_LOSSES_NAME
 from bsr_jax.core.patching import ProcessWidePatch
@@ -326,16 +326,14 @@ def _summed_only(loss_fn: Callable[..., Any], chunk: int, args: tuple, kwargs: d
     recognised losses are read only by sums over every token, each with the same weight: then each
     token's cotangent is the same (a ``.mean()``: 1/N each). A mask, per-token weights, a slice, a
     loss returned per token or read inside a nested call: False."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+    arrays, rebuild = split_arrays(args, kwargs)
 
     def traced(*arrays):
-        it = iter(arrays)
-        call_args, call_kwargs = jax.tree.unflatten(treedef, [next(it) if a else leaf for leaf, a in zip(leaves, is_array)])
+        call_args, call_kwargs = rebuild(arrays)
         return loss_fn(*call_args, **call_kwargs)
 
     with recognising_head_losses(chunk, report=False):
-        jaxpr = jax.make_jaxpr(traced)(*[leaf for leaf, a in zip(leaves, is_array) if a]).jaxpr
+        jaxpr = jax.make_jaxpr(traced)(*arrays).jaxpr
     readers: dict[Any, list[Any]] = {}
     for eqn in jaxpr.eqns:
         for v in eqn.invars:

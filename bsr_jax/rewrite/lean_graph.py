@@ -59,10 +59,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jax_core
 from jax.extend import source_info_util
 
+from bsr_jax.core.call_arrays import split_arrays
 from bsr_jax.measure.report import module_path
 from bsr_jax.ops import head_loss
 from bsr_jax.ops.dx import stored_compressed
@@ -371,16 +371,13 @@ def lean_call(fn: Callable[..., Any], *args: Any, treatment: Treatment = Treatme
     ``treatment.modes`` say (``evaluate``). Array leaves of
     the arguments are traced; other leaves (``train=True``, ``mutable=[...]``) and non-array leaves
     of the result stay Python values."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
-    arrays = [leaf for leaf, a in zip(leaves, is_array) if a]
+    arrays, rebuild = split_arrays(args, kwargs)
     if not any(isinstance(a, jax.core.Tracer) for a in arrays):
         return fn(*args, **kwargs)  # nothing is differentiated
     result: dict[str, Any] = {}
 
     def traced(*arrays):
-        it = iter(arrays)
-        call_args, call_kwargs = jax.tree.unflatten(treedef, [next(it) if a else leaf for leaf, a in zip(leaves, is_array)])
+        call_args, call_kwargs = rebuild(arrays)
         out_leaves, result["tree"] = jax.tree.flatten(fn(*call_args, **call_kwargs))
         result["static"] = [_COMPUTED if isinstance(o, jax.Array) else o for o in out_leaves]
         outs = [o for o in out_leaves if isinstance(o, jax.Array)]
