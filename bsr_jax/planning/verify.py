@@ -12,8 +12,8 @@ from bsr_jax.planning.cost import MEASURED_EVERYWHERE, WORTH, CostModel
 from bsr_jax.planning.result import Measured
 
 
-def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float, verify: int,
-            beat: float = math.inf) -> None:  # fmt: skip
+def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str], variants: Sequence[tuple[str, str]], limit: float,
+                      verify: int, beat: float = math.inf) -> None:  # fmt: skip
     """Compiles what ``model`` predicts fastest within ``limit`` from all ``names``, recalibrating it
     with each, until ``verify`` fit, ``2 * verify`` were compiled, or its fastest is one compiled
     already (one over ``limit`` asks it for that much less). Its fastest from keep and remat alone

@@ -258,28 +258,39 @@ def test_a_candidate_compiled_just_over_the_budget_makes_the_search_ask_for_less
     assert list(search.cache) == [over, under]
 
 
+# Keep and remat alone (predicted 2.0 s) and an assignment extrapolated from the probes (1.5 s).
+_SAFE, _EXTRAPOLATED = (("keep", "remat"), "keep", "plain"), (("remat-dots", "keep"), "keep", "plain")
+
+
+class _SafeOrExtrapolated:
+    """``compile_predicted``'s view of a ``CostModel`` that solves for ``_SAFE`` from keep and remat
+    alone and ``_EXTRAPOLATED`` from more options, the latter predicted faster."""
+
+    def __init__(self, alike: bool):
+        self._alike = alike
+
+    def solve(self, asked, names, variants):
+        return _SAFE if set(names) <= {"keep", "remat"} else _EXTRAPOLATED
+
+    def predict(self, key):
+        return (90.0, 2.0) if key == _SAFE else (90.0, 1.5)
+
+    def observe(self, key, peak, seconds):
+        pass
+
+    def alike(self):
+        return self._alike
+
+
 def test_the_best_of_the_options_measured_on_every_block_is_compiled_too():
     """ResNet-50 on TPU v5p at 0.7: the solver, extrapolating options the probes measured on one or
     two of 16 unlike blocks, predicted 20.19 ms and compiled 21.48 (1.16x), and stopped there; keep
     and remat alone, measured on every block, give 20.14 ms (1.09x). Where blocks differ, their
     best is compiled first."""
-    safe, extrapolated = (("keep", "remat"), "keep", "plain"), (("remat-dots", "keep"), "keep", "plain")
-
-    class Model:
-        def solve(self, asked, names, variants):
-            return safe if set(names) <= {"keep", "remat"} else extrapolated
-
-        def predict(self, key):
-            return (90.0, 2.0) if key == safe else (90.0, 1.5)  # the extrapolated one predicted faster
-
-        def observe(self, key, peak, seconds):
-            pass
-
-        def alike(self):
-            return False
+    safe, extrapolated = _SAFE, _EXTRAPOLATED
 
     search = _Search(lambda key, predicted: (90, 2.0 if key == safe else 2.5))  # compiled: slower than predicted
-    compile_predicted(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
+    compile_predicted(search, _SafeOrExtrapolated(alike=False), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [safe, extrapolated]
     assert min((m.seconds, key) for key, (m, _) in search.cache.items())[1] == safe
 
@@ -290,28 +301,16 @@ def test_nothing_predicted_slower_than_a_compiled_plan_is_compiled():
     alike, they come last, and a candidate is compiled only where predicted faster than the fastest
     compiled within budget, and than ``beat`` (a plan at another micro-batch count), by less than
     ``WORTH``."""
-    safe, extrapolated = (("keep", "remat"), "keep", "plain"), (("remat-dots", "keep"), "keep", "plain")
-
-    class Model:
-        def solve(self, asked, names, variants):
-            return safe if set(names) <= {"keep", "remat"} else extrapolated
-
-        def predict(self, key):
-            return (90.0, 2.0) if key == safe else (90.0, 1.5)
-
-        def observe(self, key, peak, seconds):
-            pass
-
-        def alike(self):
-            return True
+    safe, extrapolated = _SAFE, _EXTRAPOLATED
 
     search = _Search(lambda key, predicted: (90, predicted[1]))  # compiled as predicted
-    compile_predicted(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
+    compile_predicted(search, _SafeOrExtrapolated(alike=True), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [extrapolated]
     # Another count's plan at 1.4: neither is worth compiling; at 1.48, the extrapolated one is (1.5 < 1.48 * 1.02).
     for beat, compiled in ((1.4, []), (1.48, [extrapolated])):
         search = _Search(lambda key, predicted: (90, predicted[1]))
-        compile_predicted(search, Model(), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3, beat=beat)
+        compile_predicted(search, _SafeOrExtrapolated(alike=True), ["keep", "remat", "remat-dots"], [("keep", "plain")], limit=100, verify=3,
+                          beat=beat)
         assert list(search.cache) == compiled
 
 
