@@ -20,14 +20,17 @@ class Hardware:
     launch_s: float
     host_bytes_per_s: float
     link_bytes_per_s: float = 0.0  # device-to-device interconnect, one direction (0: no collectives modelled)
+    # Streaming multiprocessors: how many programs of a Triton kernel run at once (ours, one each: their
+    # pipelined tiles take most of an SM's shared memory). 0: no GPU, waves not modelled.
+    sms: int = 0
 
 
 # H100 SXM: 3.35 TB/s HBM3; dense tensor cores 495 TFLOP/s TF32 (JAX's default f32 matmul on
 # H100), 989 bf16/f16, 1979 fp8/int8; PCIe gen5 x16 to the host ~55 GB/s; ~2 us per launch;
-# NVLink 4 between the 8 GPUs of a host: 900 GB/s both ways, 450 GB/s each way.
+# NVLink 4 between the 8 GPUs of a host: 900 GB/s both ways, 450 GB/s each way; 132 SMs.
 H100 = Hardware(
     "h100", 3.35e12, {"f32": 495e12, "bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12, "f8e5m2": 1979e12, "s8": 1979e12},
-    495e12, 2e-6, 55e9, 450e9,
+    495e12, 2e-6, 55e9, 450e9, sms=132,
 )
 # TPU v5p (one chip): 2.765 TB/s HBM2e; 459 TFLOP/s bf16 on the MXUs (f32 matmuls at default
 # precision run as bf16 passes there), 918 int8; no kernel launches; ICI 4,800 Gbps per chip as

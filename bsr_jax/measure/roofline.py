@@ -18,7 +18,9 @@ devices of its group sends over the interconnect (``link_bytes_per_s``) as a rin
 array x (n-1)/n (all-gather, reduce-scatter, all-to-all), twice that (all-reduce), the array
 (permute); in series with the kernels (pessimistic where a device overlaps it with compute).
 
-What the roofline does not see: occupancy and tail effects (a small kernel does not reach peak
+Our own Triton kernels (``pallas_kernels``) are priced in whole waves of their grid over the GPU's
+SMs and at the share of peak they were measured to reach (``pallas_kernels.KERNEL_EFFICIENCY``).
+What the roofline does not see: occupancy and tail effects of XLA's kernels (a small kernel does not reach peak
 bandwidth), overlap between kernels on different streams, caches (an operand read twice counts
 twice), GEMM efficiency below peak for small or oddly shaped matrices, and the Pallas kernels'
 own work beyond the bytes they move and the FLOPs their ``pl.CostEstimate`` declares. It is a
@@ -223,6 +225,21 @@ class _Model:
         f = float(cost_estimate(config).get("flops", 0.0))
         return f, f / self.hw.default_flops
 
+    def triton_slowdown(self, instr: Instr, shapes: dict[str, str]) -> float:
+        """How much longer than its roofline one of our Triton kernels runs: its grid in whole waves
+        of ``hw.sms`` programs (a grid of 36 programs on 132 SMs takes a wave's time for 27% of the
+        work), over the share of the matrix units' peak a program reaches (``pallas_kernels.
+        KERNEL_EFFICIENCY``, measured on a GPU). 1 for any other call."""
+        kernel = re.search(r'name = "(\w+)"', instr.attrs)
+        grid = [int(n) for n in re.findall(r"grid_[xyz] = (\d+)", instr.attrs)]
+        if not (kernel and grid and self.hw.sms and kernel.group(1) in pallas_kernels.KERNEL_FLOPS):
+            return 1.0
+        programs = math.prod(grid)
+        waves = math.ceil(programs / self.hw.sms) * self.hw.sms / programs
+        rate_operand = pallas_kernels.KERNEL_FLOPS[kernel.group(1)][1]
+        dtype = next(arrays(shapes[instr.operands[rate_operand]]))[0] if rate_operand is not None else None
+        return waves / pallas_kernels.KERNEL_EFFICIENCY.get(kernel.group(1), {}).get(dtype, 1.0)
+
     def splash_flops(self, instr: Instr, shapes: dict[str, str], phase: str) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of a Pallas splash attention kernel (``jax.experimental.pallas.ops.tpu.
         splash_attention``), which carries no cost estimate: its products (forward 2: ``q k^T``, ``p v``;
@@ -321,7 +338,8 @@ class _Model:
                 nbytes = max(nbytes, float(cost_estimate(config).get("bytes_accessed", 0.0)))
             else:
                 flops, compute_s = self.own_matmul(instr, shapes)
-            seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) + self.hw.launch_s
+            slow = self.triton_slowdown(instr, shapes) if op == "custom-call" else 1.0
+            seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) * slow + self.hw.launch_s
             self.add(self.kernels, instr, times * seconds, times * nbytes, times * flops, times)
             self.kernel_seconds_once += once * seconds
 

@@ -89,3 +89,32 @@ def test_both_compile_for_h100_and_are_not_free_to_the_roofline(storage, dtype):
     item = jnp.dtype(dtype).itemsize
     assert forward.bytes == item * (m * k + k * n + m * n) + code_bytes  # reads x and w, writes y and the codes
     assert weight_grad.bytes == code_bytes + item * m * n + 4 * k * n
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_roofline_prices_each_kernel_in_whole_waves_at_its_measured_efficiency(dtype):
+    """A grid of fewer programs than the H100's 132 SMs takes a whole wave's time, at the share of
+    peak the kernels were measured to reach (pallas_kernels.KERNEL_EFFICIENCY)."""
+    import bsr_jax
+    from bsr_jax.measure.hardware import H100
+    from pallas_kernels import KERNEL_EFFICIENCY
+
+    m, k, n = 256, 256, 384
+
+    def both(x, w, dy):
+        y, codes, scales = matmul_quantizing(x, w, storage="int4")
+        return y, quantized_t_matmul(codes, scales, dy)
+
+    shapes = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (m, n))]
+    step = bsr_jax.compiled_memory(both, *shapes, target="h100", breakdown=True)
+    kernels = {k.op.rsplit("/", 2)[-2]: k for k in step.kernels}
+    hlo_dtype = "bf16" if dtype == jnp.bfloat16 else "f32"
+    rate = H100.matmul_flops[hlo_dtype]
+    bn = 128 if dtype == jnp.bfloat16 else 64  # f32 tiles: half as wide
+    programs = {"matmul_quantizing": (m // 64) * (n // bn), "quantized_t_matmul": (k // 128) * (n // bn)}
+    for kernel, count in programs.items():
+        efficiency = KERNEL_EFFICIENCY[kernel][hlo_dtype]
+        assert efficiency < 1
+        roof = max(kernels[kernel].bytes / H100.hbm_bytes_per_s, kernels[kernel].flops / rate)
+        expected = roof * (132 / count) / efficiency + H100.launch_s  # one wave: 132 SMs for `count` programs
+        assert kernels[kernel].seconds == pytest.approx(expected, rel=1e-6), kernel
