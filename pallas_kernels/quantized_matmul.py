@@ -40,6 +40,10 @@ LIMITS = {"int8": 127.0, "int4": 7.0}
 # Rows and columns a program owns; halved until they divide the array (at least MIN_DOT_DIM).
 ROWS, COLUMNS = 64, 128
 NUM_WARPS = 4
+# dW's grid is (Kb, N / bn) programs, few for a narrow layer (36 for 768 x 768): its token loop is split
+# over up to MAX_SPLITS programs, the fewest whose grid reaches TARGET_PROGRAMS (two waves of an H100's
+# 132 SMs), and their f32 partial sums added after, never more bytes of them than dy's (docs/kernels.md).
+TARGET_PROGRAMS, MAX_SPLITS = 264, 16
 # Software-pipelining depth: as many stages (at most 3) as fit a budget of shared memory per
 # program, counted as the bytes one stage loads. Triton asked ~1.5x that count (bf16, int4
 # forward: 3 stages of 64 KiB asked 288 KiB of an H100's 227), so the budget leaves a third free.
@@ -134,8 +138,8 @@ def matmul_flops(operands: list[tuple[int, ...]], result: tuple[int, ...]) -> in
 
 def t_matmul_flops(operands: list[tuple[int, ...]], result: tuple[int, ...]) -> int:
     """FLOPs of ``quantized_t_matmul`` from its operands ``(codes, scales, dy (M, N))`` and its
-    result ``(K, N)``."""
-    m, (k, n) = operands[2][0], result
+    result ``(K, N)`` (the kernel's, split: ``(splits, K, N)`` partial sums of M / splits rows each)."""
+    m, (k, n) = operands[2][0], result[-2:]
     return 2 * m * k * n
 
 
@@ -252,6 +256,15 @@ def _t_kernel(codes_ref, scales_ref, dy_ref, out_ref, *, bm, precision):
         out_ref[...] = acc.astype(out_ref.dtype)
 
 
+def token_splits(programs: int, row_tiles: int, most: int = MAX_SPLITS) -> int:
+    """How many programs share dW's token loop: the fewest (a power of two, at most ``most`` and
+    ``MAX_SPLITS``, dividing ``row_tiles``, the loop's trips) that give ``TARGET_PROGRAMS`` programs."""
+    splits = 1
+    while programs * splits < TARGET_PROGRAMS and 2 * splits <= min(most, MAX_SPLITS) and row_tiles % (2 * splits) == 0:
+        splits *= 2
+    return splits
+
+
 def quantized_t_matmul(
     codes: jax.Array,
     scales: jax.Array,
@@ -259,6 +272,7 @@ def quantized_t_matmul(
     *,
     precision: lax.PrecisionLike = None,
     out_dtype=jnp.float32,
+    splits: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``x.T @ dy`` where x is given by ``matmul_quantizing``'s codes and scales.
@@ -271,6 +285,9 @@ def quantized_t_matmul(
         of 16, N of 16.
       precision: of the products, as in ``matmul_quantizing``.
       out_dtype: dtype of the result; accumulation is float32 regardless.
+      splits: programs that share each tile's token loop, each over ``M / splits`` rows, their f32
+        partial sums added after; a power of two dividing ``M / bm``. ``None``: ``token_splits``, as
+        many as keep the partial sums within dy's bytes.
       interpret: run the Pallas interpreter even when lowering for a GPU.
 
     Returns:
@@ -290,32 +307,40 @@ def quantized_t_matmul(
     if why:
         raise ValueError(f"quantized_t_matmul: {why}")
     bm, bn = _tile(m, ROWS), _tile(n, _columns(dy.dtype))
+    # The partial sums (splits x K x N f32) no larger than dy (M x N), live beside them anyway.
+    splits = token_splits(kb * (n // bn), m // bm, m * dy.dtype.itemsize // (4 * kb * tile)) if splits is None else splits
+    if splits < 1 or splits & (splits - 1) or (m // bm) % splits:
+        raise ValueError(f"quantized_t_matmul: splits must be a power of two dividing M / {bm} = {m // bm}, got {splits}")
+    rows = m // splits  # of the token loop each program runs
     stages = _stages(bm * (width + 4 + bn * dy.dtype.itemsize))  # a stage loads codes, scales and dy's tile
-    out = result_like(dy, (kb * tile, n), out_dtype)
+    # Split, each program writes its f32 partial sum: (splits, K, N), added after.
+    out = result_like(dy, (kb * tile, n), out_dtype) if splits == 1 else result_like(dy, (splits, kb * tile, n), jnp.float32)
     cost = pl.CostEstimate(  # each program reads its tile column's codes and scales and its columns of dy
-        flops=t_matmul_flops([codes.shape, scales.shape, dy.shape], out.shape), transcendentals=0,
+        flops=t_matmul_flops([codes.shape, scales.shape, dy.shape], (kb * tile, n)), transcendentals=0,
         bytes_accessed=(_code_bytes(m, kb * tile, storage, tile) * (n // bn)
-                        + m * n * dy.dtype.itemsize * kb + math.prod(out.shape) * jnp.dtype(out_dtype).itemsize),
+                        + m * n * dy.dtype.itemsize * kb + math.prod(out.shape) * out.dtype.itemsize),
     )  # fmt: skip
+    squeezed = () if splits == 1 else (None,)  # the partial sums' leading axis: one slice per program
 
     def call(codes, scales, dy, *, interpret):
         return pl.pallas_call(
             functools.partial(_t_kernel, bm=bm, precision=precision),
             out_shape=out,
-            grid=(kb, n // bn),
+            grid=(kb, n // bn, splits),
             in_specs=[
-                pl.BlockSpec((1, m, width), lambda j, c: (j, 0, 0)),
-                pl.BlockSpec((1, m), lambda j, c: (j, 0)),
-                pl.BlockSpec((m, bn), lambda j, c: (0, c)),
+                pl.BlockSpec((1, rows, width), lambda j, c, p: (j, p, 0)),
+                pl.BlockSpec((1, rows), lambda j, c, p: (j, p)),
+                pl.BlockSpec((rows, bn), lambda j, c, p: (p, c)),
             ],
-            out_specs=pl.BlockSpec((tile, bn), lambda j, c: (j, c)),
+            out_specs=pl.BlockSpec((*squeezed, tile, bn), lambda j, c, p: (p, j, c)[-len(out.shape):]),
             compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
             cost_estimate=cost,
             interpret=interpret,
             name="quantized_t_matmul",
         )(codes, scales, dy)
 
-    return run_by_lowering_platform(call, codes, scales, dy, interpret=interpret)
+    result = run_by_lowering_platform(call, codes, scales, dy, interpret=interpret)
+    return result if splits == 1 else result.sum(axis=0).astype(out_dtype)
 
 
 def quantized_t_matmul_reference(codes: jax.Array, scales: jax.Array, dy: jax.Array, out_dtype=jnp.float32) -> jax.Array:

@@ -13,7 +13,7 @@ from numerics import assert_close_scaled, bf16_exact_normal
 
 from bsr_jax.storage import quantize
 from pallas_kernels import matmul_quantizing, quantize_reference, quantized_t_matmul, quantized_t_matmul_reference
-from pallas_kernels.quantized_matmul import dequantize_reference
+from pallas_kernels.quantized_matmul import dequantize_reference, token_splits
 
 
 def _operands(m, k, n, dtype, seed=0):
@@ -46,6 +46,25 @@ def test_codes_are_bsr_jaxs_blocks_and_products_match(storage, tile, dtype):
     # ...which is x rounded to its codes against dy, in float64.
     x_rounded = np.asarray(dequantize_reference(codes, scales, dtype), np.float64)
     np.testing.assert_allclose(quantized_t_matmul_reference(codes, scales, dy), x_rounded.T @ np.asarray(dy, np.float64), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [None, 2, 4])
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_dw_split_over_the_tokens_sums_to_the_reference(storage, splits):
+    """dW's token loop shared by ``splits`` programs (``None``: ``token_splits``, here 2: a grid of one
+    tile, partial sums within dy's bytes), added after: the reference's product up to the order of f32 sums."""
+    m, k, n = 256, 128, 64
+    x, w, dy = _operands(m, k, n, jnp.float32)
+    codes, scales = quantize_reference(x, storage)
+    assert token_splits(1 * 1, m // 64) == 4  # as many as M / bm = 4 trips allow, short of TARGET_PROGRAMS
+    assert token_splits(1 * 1, m // 64, m * 4 // (4 * k)) == 2  # f32 partial sums within dy's bytes
+    dw = jax.jit(functools.partial(quantized_t_matmul, splits=splits, out_dtype=jnp.bfloat16))(codes, scales, dy)
+    assert dw.shape == (k, n) and dw.dtype == jnp.bfloat16
+    assert_close_scaled(dw, quantized_t_matmul_reference(codes, scales, dy), jnp.bfloat16)
+    with pytest.raises(ValueError, match="splits must be a power of two dividing M / 64 = 4, got 3"):
+        quantized_t_matmul(codes, scales, dy, splits=3)
+    with pytest.raises(ValueError, match="got 8"):
+        quantized_t_matmul(codes, scales, dy, splits=8)
 
 
 def test_ties_round_to_even_and_nan_rows_get_a_nan_scale():
@@ -88,7 +107,7 @@ def test_both_compile_for_h100_and_are_not_free_to_the_roofline(storage, dtype):
     code_bytes = m * k // (2 if storage == "int4" else 1) + m * (k // 128) * 4
     item = jnp.dtype(dtype).itemsize
     assert forward.bytes == item * (m * k + k * n + m * n) + code_bytes  # reads x and w, writes y and the codes
-    assert weight_grad.bytes == code_bytes + item * m * n + 4 * k * n
+    assert weight_grad.bytes == code_bytes + item * m * n + 4 * k * n  # K = M: partial sums would outweigh dy, no split
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -99,7 +118,7 @@ def test_the_roofline_prices_each_kernel_in_whole_waves_at_its_measured_efficien
     from bsr_jax.measure.hardware import H100
     from pallas_kernels import KERNEL_EFFICIENCY
 
-    m, k, n = 256, 256, 384
+    m, k, n = 1024, 128, 384  # partial sums of dW's 8 token splits (f32: 4; bf16: 2) as large as dy
 
     def both(x, w, dy):
         y, codes, scales = matmul_quantizing(x, w, storage="int4")
@@ -111,7 +130,9 @@ def test_the_roofline_prices_each_kernel_in_whole_waves_at_its_measured_efficien
     hlo_dtype = "bf16" if dtype == jnp.bfloat16 else "f32"
     rate = H100.matmul_flops[hlo_dtype]
     bn = 128 if dtype == jnp.bfloat16 else 64  # f32 tiles: half as wide
-    programs = {"matmul_quantizing": (m // 64) * (n // bn), "quantized_t_matmul": (k // 128) * (n // bn)}
+    splits = m * jnp.dtype(dtype).itemsize // (4 * k)
+    assert token_splits((k // 128) * (n // bn), m // 64, splits) == splits
+    programs = {"matmul_quantizing": (m // 64) * (n // bn), "quantized_t_matmul": (k // 128) * (n // bn) * splits}
     for kernel, count in programs.items():
         efficiency = KERNEL_EFFICIENCY[kernel][hlo_dtype]
         assert efficiency < 1
