@@ -1,0 +1,16 @@
+"""benchmarks/kernels/fused_gpu.py, which a GPU session runs in one call: its rows off a GPU (the
+kernels interpreted), so that the script is known to run before device time is spent on it."""
+
+import json
+
+from benchmarks.kernels import fused_gpu
+
+
+def test_every_kernel_variant_is_timed_against_xla_and_modelled(tmp_path):
+    out = tmp_path / "fused_gpu.json"
+    fused_gpu.main(["--shapes", "tiny", "--reps", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert [r["kernel"] for r in rows] == ["forward", "dW splits=1", "dW splits=auto"]
+    for row in rows:
+        assert row["us"] > 0 and row["xla_us"] > 0 and row["modelled_us"] > 0
+        assert row["ratio"] == row["us"] / row["xla_us"]
