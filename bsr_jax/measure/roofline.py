@@ -18,8 +18,8 @@ devices of its group sends over the interconnect (``link_bytes_per_s``) as a rin
 array x (n-1)/n (all-gather, reduce-scatter, all-to-all), twice that (all-reduce), the array
 (permute); in series with the kernels (pessimistic where a device overlaps it with compute).
 
-Our own Triton kernels (``pallas_kernels``) are priced in whole waves of their grid over the GPU's
-SMs and at the share of peak they were measured to reach (``pallas_kernels.KERNEL_EFFICIENCY``).
+Our own Triton kernels are priced as ``bsr_jax.measure.pallas_cost`` says (whole waves of their grid
+over the GPU's SMs, at the share of peak they were measured to reach).
 What the roofline does not see: occupancy and tail effects of XLA's kernels (a small kernel does not reach peak
 bandwidth), overlap between kernels on different streams, caches (an operand read twice counts
 twice), GEMM efficiency below peak for small or oddly shaped matrices, and the Pallas kernels'
@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-import pallas_kernels
+from bsr_jax.measure import pallas_cost
 from bsr_jax.measure.hardware import H100, HARDWARE, TPU_V5P, Hardware  # noqa: F401  (roofline.H100 is read by callers)
 from bsr_jax.measure.hlo_text import (
     HOST_SPACE,
@@ -208,15 +208,9 @@ class _Model:
         if "cudnn$fmha" in target:
             f = _attention_flops(config.get("cudnn_fmha_backend_config", {}), dims(shapes[instr.operands[0]]), "Backward" in target)
             return self.at_peak(f, instr, shapes)
-        kernel = re.search(r'name = "(\w+)"', instr.attrs)
-        if "triton" in target and kernel and kernel.group(1) in pallas_kernels.KERNEL_FLOPS:
-            # The Triton call carries no cost estimate of its own: the kernel's FLOPs from its operands.
-            count, rate_operand = pallas_kernels.KERNEL_FLOPS[kernel.group(1)]
-            f = float(count([dims(shapes[o]) for o in instr.operands], next(arrays(instr.type.removeprefix("(")))[1]))
-            if rate_operand is None:
-                return f, f / self.hw.default_flops
-            dtype = next(arrays(shapes[instr.operands[rate_operand]]))[0]
-            return f, f / self.hw.matmul_flops.get(dtype, self.hw.default_flops)
+        ours = pallas_cost.kernel(instr)
+        if ours:
+            return pallas_cost.flops(ours, instr, shapes, self.hw)
         splash = _SPLASH.match(instr.name)
         if splash and "tpu_custom_call" in target:
             return self.splash_flops(instr, shapes, splash.group(1))
@@ -224,21 +218,6 @@ class _Model:
         # their custom_call_config, its numbers as strings.
         f = float(cost_estimate(config).get("flops", 0.0))
         return f, f / self.hw.default_flops
-
-    def triton_slowdown(self, instr: Instr, shapes: dict[str, str]) -> float:
-        """How much longer than its roofline one of our Triton kernels runs: its grid in whole waves
-        of ``hw.sms`` programs (a grid of 36 programs on 132 SMs takes a wave's time for 27% of the
-        work), over the share of the matrix units' peak a program reaches (``pallas_kernels.
-        KERNEL_EFFICIENCY``, measured on a GPU). 1 for any other call."""
-        kernel = re.search(r'name = "(\w+)"', instr.attrs)
-        grid = [int(n) for n in re.findall(r"grid_[xyz] = (\d+)", instr.attrs)]
-        if not (kernel and grid and self.hw.sms and kernel.group(1) in pallas_kernels.KERNEL_FLOPS):
-            return 1.0
-        programs = math.prod(grid)
-        waves = math.ceil(programs / self.hw.sms) * self.hw.sms / programs
-        rate_operand = pallas_kernels.KERNEL_FLOPS[kernel.group(1)][1]
-        dtype = next(arrays(shapes[instr.operands[rate_operand]]))[0] if rate_operand is not None else None
-        return waves / pallas_kernels.KERNEL_EFFICIENCY.get(kernel.group(1), {}).get(dtype, 1.0)
 
     def splash_flops(self, instr: Instr, shapes: dict[str, str], phase: str) -> tuple[float, float]:
         """(FLOPs, seconds at peak) of a Pallas splash attention kernel (``jax.experimental.pallas.ops.tpu.
@@ -338,7 +317,8 @@ class _Model:
                 nbytes = max(nbytes, float(cost_estimate(config).get("bytes_accessed", 0.0)))
             else:
                 flops, compute_s = self.own_matmul(instr, shapes)
-            slow = self.triton_slowdown(instr, shapes) if op == "custom-call" else 1.0
+            ours = pallas_cost.kernel(instr) if op == "custom-call" else None
+            slow = pallas_cost.slowdown(ours, instr, shapes, self.hw) if ours else 1.0
             seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) * slow + self.hw.launch_s
             self.add(self.kernels, instr, times * seconds, times * nbytes, times * flops, times)
             self.kernel_seconds_once += once * seconds
