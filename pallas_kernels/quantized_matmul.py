@@ -273,6 +273,8 @@ def quantized_t_matmul(
     precision: lax.PrecisionLike = None,
     out_dtype=jnp.float32,
     splits: int | None = None,
+    columns: int | None = None,
+    num_warps: int = NUM_WARPS,
     interpret: bool = False,
 ) -> jax.Array:
     """``x.T @ dy`` where x is given by ``matmul_quantizing``'s codes and scales.
@@ -288,6 +290,9 @@ def quantized_t_matmul(
       splits: programs that share each tile's token loop, each over ``M / splits`` rows, their f32
         partial sums added after; a power of two dividing ``M / bm``. ``None``: ``token_splits``, as
         many as keep the partial sums within dy's bytes.
+      columns: of dy (and dW) each program owns, a power of two in 16..256 (halved until it divides
+        N); ``None``: 128 (64 for f32). Wider tiles dequantize each tile of codes for more products.
+      num_warps: of each program (Triton's): 4 or 8 (wide tiles need 8 for their accumulators).
       interpret: run the Pallas interpreter even when lowering for a GPU.
 
     Returns:
@@ -306,7 +311,9 @@ def quantized_t_matmul(
     why = shape_error(m, kb * tile, n, storage, tile)
     if why:
         raise ValueError(f"quantized_t_matmul: {why}")
-    bm, bn = _tile(m, ROWS), _tile(n, _columns(dy.dtype))
+    if columns is not None and (columns not in (16, 32, 64, 128, 256)) or num_warps not in (4, 8):
+        raise ValueError(f"quantized_t_matmul: columns must be a power of two in 16..256 and num_warps 4 or 8, got {columns} and {num_warps}")
+    bm, bn = _tile(m, ROWS), _tile(n, columns or _columns(dy.dtype))
     # The partial sums (splits x K x N f32) no larger than dy (M x N), live beside them anyway.
     splits = token_splits(kb * (n // bn), m // bm, m * dy.dtype.itemsize // (4 * kb * tile)) if splits is None else splits
     if splits < 1 or splits & (splits - 1) or (m // bm) % splits:
@@ -333,7 +340,7 @@ def quantized_t_matmul(
                 pl.BlockSpec((rows, bn), lambda j, c, p: (p, c)),
             ],
             out_specs=pl.BlockSpec((*squeezed, tile, bn), lambda j, c, p: (p, j, c)[-len(out.shape):]),
-            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=stages),
             cost_estimate=cost,
             interpret=interpret,
             name="quantized_t_matmul",

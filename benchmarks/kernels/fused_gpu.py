@@ -1,5 +1,5 @@
 """The fused kernels alone on a GPU: ``matmul_quantizing`` against XLA's ``x @ w`` and
-``quantized_t_matmul`` (each token split, and unsplit) against XLA's ``x.T @ dy``, at the layer
+``quantized_t_matmul`` (unsplit, split, and with wider tiles: ``DW_VARIANTS``) against XLA's ``x.T @ dy``, at the layer
 shapes of the models in docs/RESULTS.md 13.1, beside what the roofline models for each.
 
 Each variant is jitted, warmed up and timed ``--reps`` times (each waited for), alternating with
@@ -41,6 +41,11 @@ SHAPES = {
 }  # fmt: skip
 
 
+# dW's (splits, columns, num_warps): as before the split; the default; wider tiles (each tile of codes
+# dequantized for more products) with the warps their accumulators need.
+DW_VARIANTS = ((1, None, 4), (None, None, 4), (None, 256, 8), (None, 128, 8))
+
+
 def _time(fn, args, reps):
     jax.block_until_ready(fn(*args))
     times = []
@@ -63,9 +68,10 @@ def rows(shapes, storage, reps):
         _, codes, scales = jax.jit(functools.partial(qm.matmul_quantizing, storage=storage))(x, w)
         dense_dw = jax.jit(lambda x, dy: jnp.matmul(x.T, dy, preferred_element_type=jnp.float32))
         variants = [("forward", jax.jit(functools.partial(qm.matmul_quantizing, storage=storage)), (x, w), jax.jit(jnp.matmul), (x, w))]
-        for splits in dict.fromkeys((1, None)):
-            variants.append((f"dW splits={splits or 'auto'}", jax.jit(functools.partial(qm.quantized_t_matmul, splits=splits)),
-                             (codes, scales, dy), dense_dw, (x, dy)))  # fmt: skip
+        for splits, columns, warps in DW_VARIANTS:
+            kernel = functools.partial(qm.quantized_t_matmul, splits=splits, columns=columns, num_warps=warps)
+            label = f"dW splits={splits or 'auto'}" + (f" columns={columns} warps={warps}" if columns else "")
+            variants.append((label, jax.jit(kernel), (codes, scales, dy), dense_dw, (x, dy)))
         for kind, fn, args, baseline, base_args in variants:
             ours, theirs = [], []
             for _ in range(reps):  # alternating, one timing of each per round

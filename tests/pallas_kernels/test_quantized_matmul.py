@@ -48,23 +48,27 @@ def test_codes_are_bsr_jaxs_blocks_and_products_match(storage, tile, dtype):
     np.testing.assert_allclose(quantized_t_matmul_reference(codes, scales, dy), x_rounded.T @ np.asarray(dy, np.float64), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [None, 2, 4])
+@pytest.mark.parametrize("splits,columns", [(None, None), (2, None), (4, None), (None, 256), (2, 32)])
 @pytest.mark.parametrize("storage", ["int8", "int4"])
-def test_dw_split_over_the_tokens_sums_to_the_reference(storage, splits):
+def test_dw_split_over_the_tokens_sums_to_the_reference(storage, splits, columns):
     """dW's token loop shared by ``splits`` programs (``None``: ``token_splits``, here 2: a grid of one
-    tile, partial sums within dy's bytes), added after: the reference's product up to the order of f32 sums."""
+    tile, partial sums within dy's bytes), added after, over tiles of ``columns`` of dy: the reference's
+    product up to the order of f32 sums."""
     m, k, n = 256, 128, 64
     x, w, dy = _operands(m, k, n, jnp.float32)
     codes, scales = quantize_reference(x, storage)
     assert token_splits(1 * 1, m // 64) == 4  # as many as M / bm = 4 trips allow, short of TARGET_PROGRAMS
     assert token_splits(1 * 1, m // 64, m * 4 // (4 * k)) == 2  # f32 partial sums within dy's bytes
-    dw = jax.jit(functools.partial(quantized_t_matmul, splits=splits, out_dtype=jnp.bfloat16))(codes, scales, dy)
+    run = functools.partial(quantized_t_matmul, splits=splits, columns=columns, num_warps=8 if columns else 4, out_dtype=jnp.bfloat16)
+    dw = jax.jit(run)(codes, scales, dy)
     assert dw.shape == (k, n) and dw.dtype == jnp.bfloat16
     assert_close_scaled(dw, quantized_t_matmul_reference(codes, scales, dy), jnp.bfloat16)
     with pytest.raises(ValueError, match="splits must be a power of two dividing M / 64 = 4, got 3"):
         quantized_t_matmul(codes, scales, dy, splits=3)
     with pytest.raises(ValueError, match="got 8"):
         quantized_t_matmul(codes, scales, dy, splits=8)
+    with pytest.raises(ValueError, match="columns must be a power of two in 16..256 and num_warps 4 or 8, got 48 and 4"):
+        quantized_t_matmul(codes, scales, dy, columns=48)
 
 
 def test_ties_round_to_even_and_nan_rows_get_a_nan_scale():
