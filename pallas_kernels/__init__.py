@@ -32,7 +32,8 @@ KERNEL_FLOPS = {
 # sets the rate (KERNEL_FLOPS' operand): what a cost model divides its roofline by, beside the grid's
 # waves. Measured (docs/RESULTS.md 13.1: whole steps on an H200, jax 0.11.2, every dW residual through
 # the pair; one figure for both kernels, fitted to the 12 x 768 LM in bf16 and to ViT-B/16 (0.25) and
-# ResMLP-S12 (0.21) in f32). Kernels not listed were never timed on a GPU: 1 (their roofline, optimistic).
+# ResMLP-S12 (0.21) in f32; f16, never run, taken as bf16). Kernels not listed were never timed on a GPU:
+# 1 (their roofline, optimistic).
 _QUANTIZED_EFFICIENCY = {"bf16": 0.43, "f16": 0.43, "f32": 0.23}
 KERNEL_EFFICIENCY = {"matmul_quantizing": _QUANTIZED_EFFICIENCY, "quantized_t_matmul": _QUANTIZED_EFFICIENCY}
 
