@@ -93,19 +93,24 @@ def test_shapes_the_kernels_do_not_take_are_named():
         quantized_t_matmul(jnp.zeros((1, 32, 128), jnp.int8), jnp.zeros((1, 16), jnp.float32), jnp.zeros((32, 16)))
 
 
-@pytest.mark.parametrize("storage,dtype", [("int8", jnp.bfloat16), ("int4", jnp.bfloat16), ("int4", jnp.float32)])
-def test_both_compile_for_h100_and_are_not_free_to_the_roofline(storage, dtype):
+def _h100_kernels(storage, dtype, m, k, n):
+    """Both kernels (x (m, k), w (k, n), dy (m, n)) compiled deviceless for H100: the roofline's
+    account of each, by kernel name."""
     import bsr_jax
-
-    m, k, n = 256, 256, 384
 
     def both(x, w, dy):
         y, codes, scales = matmul_quantizing(x, w, storage=storage)
         return y, quantized_t_matmul(codes, scales, dy)
 
-    shapes = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (m, n))]  # f32: the most shared memory per stage
+    shapes = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (m, n))]
     step = bsr_jax.compiled_memory(both, *shapes, target="h100", breakdown=True)
-    kernels = {k.op.rsplit("/", 2)[-2]: k for k in step.kernels}
+    return {k.op.rsplit("/", 2)[-2]: k for k in step.kernels}
+
+
+@pytest.mark.parametrize("storage,dtype", [("int8", jnp.bfloat16), ("int4", jnp.bfloat16), ("int4", jnp.float32)])
+def test_both_compile_for_h100_and_are_not_free_to_the_roofline(storage, dtype):
+    m, k, n = 256, 256, 384
+    kernels = _h100_kernels(storage, dtype, m, k, n)  # f32: the most shared memory per stage
     forward, weight_grad = kernels["matmul_quantizing"], kernels["quantized_t_matmul"]
     assert forward.flops == weight_grad.flops == 2 * m * k * n
     code_bytes = m * k // (2 if storage == "int4" else 1) + m * (k // 128) * 4
@@ -118,19 +123,11 @@ def test_both_compile_for_h100_and_are_not_free_to_the_roofline(storage, dtype):
 def test_the_roofline_prices_each_kernel_in_whole_waves_at_its_measured_efficiency(dtype):
     """A grid of fewer programs than the H100's 132 SMs takes a whole wave's time, at the share of
     peak the kernels were measured to reach (pallas_kernels.KERNEL_EFFICIENCY)."""
-    import bsr_jax
     from bsr_jax.measure.hardware import H100
     from pallas_kernels import KERNEL_EFFICIENCY
 
     m, k, n = 1024, 128, 384  # partial sums of dW's 8 token splits (f32: 4; bf16: 2) as large as dy
-
-    def both(x, w, dy):
-        y, codes, scales = matmul_quantizing(x, w, storage="int4")
-        return y, quantized_t_matmul(codes, scales, dy)
-
-    shapes = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (m, n))]
-    step = bsr_jax.compiled_memory(both, *shapes, target="h100", breakdown=True)
-    kernels = {k.op.rsplit("/", 2)[-2]: k for k in step.kernels}
+    kernels = _h100_kernels("int4", dtype, m, k, n)
     hlo_dtype = "bf16" if dtype == jnp.bfloat16 else "f32"
     rate = H100.matmul_flops[hlo_dtype]
     bn = 128 if dtype == jnp.bfloat16 else 64  # f32 tiles: half as wide
