@@ -15,9 +15,10 @@ from bsr_jax.measure.hlo_text import Instr, arrays, attr, dims
 
 def kernel(instr: Instr) -> str | None:
     """The name of the ``pallas_kernels`` kernel a Triton custom call runs, or None for any other call."""
+    if "triton" not in (attr(instr.attrs, "custom_call_target") or ""):
+        return None
     found = re.search(r'name = "(\w+)"', instr.attrs)
-    target = attr(instr.attrs, "custom_call_target") or ""
-    return found.group(1) if "triton" in target and found and found.group(1) in pallas_kernels.KERNEL_FLOPS else None
+    return found.group(1) if found and found.group(1) in pallas_kernels.KERNEL_FLOPS else None
 
 
 def _rate_dtype(name: str, instr: Instr, shapes: dict[str, str]) -> str | None:

@@ -193,8 +193,9 @@ class _Model:
             flops, seconds = flops + f, seconds + s
         return flops, seconds
 
-    def custom_call_flops(self, instr: Instr, shapes: dict[str, str], config: dict) -> tuple[float, float]:
-        """(FLOPs, seconds at peak) of a custom call; ``config``: its parsed ``backend_config``."""
+    def custom_call_flops(self, instr: Instr, shapes: dict[str, str], config: dict, ours: str | None) -> tuple[float, float]:
+        """(FLOPs, seconds at peak) of a custom call; ``config``: its parsed ``backend_config``;
+        ``ours``: the ``pallas_kernels`` kernel it runs (``pallas_cost.kernel``), if one."""
         target = attr(instr.attrs, "custom_call_target") or ""
         out_type = instr.type.removeprefix("(")
         if "gemm_backend_config" in config or "cublas" in target:
@@ -208,7 +209,6 @@ class _Model:
         if "cudnn$fmha" in target:
             f = _attention_flops(config.get("cudnn_fmha_backend_config", {}), dims(shapes[instr.operands[0]]), "Backward" in target)
             return self.at_peak(f, instr, shapes)
-        ours = pallas_cost.kernel(instr)
         if ours:
             return pallas_cost.flops(ours, instr, shapes, self.hw)
         splash = _SPLASH.match(instr.name)
@@ -312,12 +312,13 @@ class _Model:
             link_s = self.link_seconds(instr, shapes)
             if op == "custom-call":
                 config = backend_config(instr.attrs)  # parsed once: a Mosaic call's holds its whole kernel
-                flops, compute_s = self.custom_call_flops(instr, shapes, config)
+                ours = pallas_cost.kernel(instr)
+                flops, compute_s = self.custom_call_flops(instr, shapes, config, ours)
                 # A kernel's declared traffic counts where it re-reads its operands (a GEMM's tiles).
                 nbytes = max(nbytes, float(cost_estimate(config).get("bytes_accessed", 0.0)))
             else:
                 flops, compute_s = self.own_matmul(instr, shapes)
-            ours = pallas_cost.kernel(instr) if op == "custom-call" else None
+                ours = None
             slow = pallas_cost.slowdown(ours, instr, shapes, self.hw) if ours else 1.0
             seconds = max(nbytes / self.hw.hbm_bytes_per_s, compute_s, link_s) * slow + self.hw.launch_s
             self.add(self.kernels, instr, times * seconds, times * nbytes, times * flops, times)
