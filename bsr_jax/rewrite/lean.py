@@ -103,13 +103,48 @@ def _checkpointed(original: Callable[..., jax.Array]) -> Callable[..., jax.Array
     return lean
 
 
+_BITS = 8  # rows packed into one byte
+
+
+def _as_rows(x: jax.Array) -> jax.Array:
+    """``x`` as ``(rows, columns)``, columns its last axis, rows padded to a multiple of 8."""
+    rows = x.reshape(-1, x.shape[-1] if x.ndim else 1)
+    return jnp.pad(rows, ((0, -rows.shape[0] % _BITS), (0, 0)))
+
+
+def _pack_by_rows(rows: jax.Array) -> jax.Array:
+    groups = rows.reshape(-1, _BITS, rows.shape[-1])
+    return jnp.sum(groups << jnp.arange(_BITS, dtype=jnp.uint8)[:, None], axis=1, dtype=jnp.uint8)
+
+
+def _unpack_by_rows(packed: jax.Array) -> jax.Array:
+    bits = (packed[:, None, :] >> jnp.arange(_BITS, dtype=jnp.uint8)[:, None]) & 1
+    return bits.reshape(-1, packed.shape[-1])
+
+
+def _pack_along_rows(rows: jax.Array) -> jax.Array:
+    return jnp.packbits(rows.reshape(-1)).reshape(-1, rows.shape[-1])
+
+
+def _unpack_along_rows(packed: jax.Array) -> jax.Array:
+    return jnp.unpackbits(packed.reshape(-1)).reshape(-1, packed.shape[-1])
+
+
 def _pack_mask(mask: jax.Array) -> jax.Array:
-    """A bool array as 1 bit per element: (ceil(size / 8),) uint8."""
-    return jnp.packbits(mask.reshape(-1))
+    """A bool array as 1 bit per element: ``(ceil(rows / 8), columns)`` uint8 (rows: every axis but
+    the last; ``columns``: the last).
+
+    How bits are grouped into bytes depends on the platform: on TPU, 8 rows of one column (the last
+    axis stays the minor one, tiled 128 lanes wide, so packing and unpacking add no relayout: the
+    12 x 768 LM's lean step 106 -> 89 ms modelled); elsewhere 8 neighbours along a row, as
+    ``jnp.packbits`` does (XLA:GPU fuses that reduction over 8 neighbours with the kernel computing
+    the mask's input, which it does not do for the rows' form: +0.4 ms on the same LM)."""
+    return jax.lax.platform_dependent(_as_rows(mask).astype(jnp.uint8), tpu=_pack_by_rows, default=_pack_along_rows)
 
 
 def _masked_tangent(packed: jax.Array, t: jax.Array) -> jax.Array:
-    mask = jnp.unpackbits(packed, count=t.size).reshape(t.shape).astype(bool)
+    bits = jax.lax.platform_dependent(packed, tpu=_unpack_by_rows, default=_unpack_along_rows)
+    mask = bits[: t.size // bits.shape[-1]].reshape(t.shape).astype(bool)
     return jnp.where(mask, t, jnp.zeros_like(t))
 
 

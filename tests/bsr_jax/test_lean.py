@@ -13,6 +13,7 @@ import third_party_models as tpm
 from flax import nnx
 
 import bsr_jax
+from bsr_jax.rewrite import lean as lean_lib
 from bsr_jax.rewrite.lean import lean_neighbours
 from bsr_jax.rewrite.lean_graph import Treatment, lean_call
 
@@ -145,8 +146,8 @@ def test_smooth_activations_keep_only_their_input(name):
 @pytest.mark.parametrize("name", RELU)
 def test_relu_keeps_a_one_bit_mask(name):
     relu = RELU[name]
-    x = normal((8, 61)).at[0, :4].set(0.0)  # odd size pads the last byte; zeros take derivative 0
-    cotangent = normal((8, 61), seed=1)
+    x = normal((3, 5, 61)).at[0, 0, :4].set(0.0)  # 15 rows pad the last byte; zeros take derivative 0
+    cotangent = normal((3, 5, 61), seed=1)
 
     def loss(_, inputs, lean):
         x, cotangent = inputs
@@ -155,7 +156,8 @@ def test_relu_keeps_a_one_bit_mask(name):
 
     plain, lean = compare(loss, {}, (x, cotangent))
     kept = sorted((r.shape, r.dtype) for r in lean.residuals)
-    assert kept == sorted([((math.ceil(8 * 61 / 8),), "uint8"), (cotangent.shape, "float32")])
+    # Each byte holds 8 rows of one column: the last axis stays the minor one (TPU's 128 lanes).
+    assert kept == sorted([((math.ceil(15 / 8), 61), "uint8"), (cotangent.shape, "float32")])
     assert plain.total > lean.total
 
 
@@ -396,3 +398,14 @@ def test_a_linear_layer_alone_runs_without_a_checkpoint():
     two_axes = _DenseConvDense(over_two_axes=True)  # as attention's out projection over the heads
     top = _top_level(two_axes, two_axes.init(jax.random.key(1), x), x)
     assert top.count("remat2") == 2 and "conv_general_dilated" in top and "dot_general" not in top
+
+
+@pytest.mark.parametrize("pack, unpack", [(lean_lib._pack_by_rows, lean_lib._unpack_by_rows),
+                                          (lean_lib._pack_along_rows, lean_lib._unpack_along_rows)])  # fmt: skip
+def test_both_mask_packings_give_the_mask_back(pack, unpack):
+    """TPU's (8 rows of a column a byte) and the other platforms' (8 neighbours a byte) packing."""
+    mask = jax.random.bernoulli(jax.random.key(0), 0.5, (5, 3, 61))
+    rows = lean_lib._as_rows(mask).astype(jnp.uint8)
+    packed = pack(rows)
+    assert (packed.shape, packed.dtype) == ((2, 61), jnp.uint8)
+    chex.assert_trees_all_equal(unpack(packed)[:15].reshape(mask.shape).astype(bool), mask)
