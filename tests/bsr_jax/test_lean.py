@@ -409,3 +409,11 @@ def test_both_mask_packings_give_the_mask_back(pack, unpack):
     packed = pack(rows)
     assert (packed.shape, packed.dtype) == ((2, 61), jnp.uint8)
     chex.assert_trees_all_equal(unpack(packed)[:15].reshape(mask.shape).astype(bool), mask)
+
+
+@pytest.mark.parametrize("platform, grouped", [("tpu", "2x8x61xui8"), ("cuda", "122x8xui8")])
+def test_the_mask_is_packed_by_rows_on_tpu_and_along_them_elsewhere(platform, grouped):
+    """Lowered for TPU, bytes gather 8 rows of a column; for a GPU, 8 neighbours of a row."""
+    mask = jnp.zeros((5, 3, 61), bool)
+    text = jax.jit(lean_lib._pack_mask).trace(mask).lower(lowering_platforms=(platform,)).as_text()
+    assert f"tensor<{grouped}>" in text, text
