@@ -64,7 +64,8 @@ from train import resnet as train_resnet  # noqa: E402
 
 MIB = 2**20
 SETTINGS = ("dense", "topk", "topk-all", "topk-wide", "int4", "int4-rows", "int8-row", "int4-row", "int4-nolean", "int4-row-nolean", "pool2", "lean", "remat", "remat-dots", "remat-dots-all",
-            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4", "int8-fused", "int4-fused", "int4-fused-nolean", "microbatch-2", "microbatch-4")
+            "remat-offload", "remat-int4", "int4-dx8", "int4-dx4", "int8-fused", "int4-fused", "int4-fused-nolean", "microbatch-2", "microbatch-4",
+            "int4-outdense", "int8-fused-outdense")
 TOPK = Pruning(0.7, block=16)
 TOPK_WIDE = Pruning(0.7, block=(8, 128))  # XLA:TPU's own tile (docs/memory.md section 0.1)
 INT4 = Pruning(0.0, block=16, storage_dtype="int4")
@@ -96,8 +97,8 @@ REMAT_POLICIES = {
 def _resmlp(setting: str):
     pruning = ({"topk": TOPK, "topk-all": TOPK, "topk-wide": TOPK_WIDE, "int4": INT4, "int4-rows": INT4_ROWS, "remat-int4": INT4,
                 "int4-dx8": INT4, "int4-dx4": INT4, **TOKEN_ROWS, **FUSED}.get(setting) or PRESET_SETTINGS.get(setting))  # fmt: skip
-    if setting in ("lean", "pool2") or setting.endswith("-nolean"):
-        return None  # ResMLP's own layers: nothing for lean neighbours to change; no convolutions
+    if setting in ("lean", "pool2") or setting.endswith(("-nolean", "-outdense")):
+        return None  # ResMLP's own layers: nothing for lean neighbours to change, no attention; no convolutions
     remat = setting.startswith("remat")
     policy = bsr_jax.remat_policy() if setting == "remat-int4" else REMAT_POLICIES.get(setting)
     every_residual = setting in ("topk-all", "int4", "int4-rows", "remat-int4", "int4-dx8", "int4-dx4", *TOKEN_ROWS, *FUSED) or setting in PRESET_SETTINGS
@@ -125,6 +126,9 @@ def _third_party(name: str, setting: str):
     # "-nolean": the same storage with compress_model's lean neighbours off (attention keeps its probabilities).
     nolean = setting.endswith("-nolean")
     rules |= {f"{name}-nolean": rules[name] for name in ("int4", "int4-row", "int4-fused")}
+    # "-outdense": the attention's output projection left exact, so the lean attention keeps its output
+    # (which that layer then shares) instead of recomputing its backward without it (docs/RESULTS.md 14.7).
+    rules |= {f"{name}-outdense": [Rule("*/out", None), *rules[name]] for name in ("int4", "int8-fused")}
     if setting in rules:
         model = bsr_jax.compress_model(model, rules[setting], dx=DX_SETTINGS.get(setting), lean=not nolean)
     context = contextlib.nullcontext()
@@ -140,7 +144,7 @@ def _resnet50(setting: str):
     # lean neighbours to add (BatchNorm and ReLU are already what XLA recomputes).
     compression = {"topk": TOPK, "int4": Pooling(factor=1, storage_dtype="int4"), "remat-int4": Pooling(factor=1, storage_dtype="int4"),
                    "pool2": Pooling(factor=2)}.get(setting)
-    if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS, *FUSED) or setting.endswith("-nolean") or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
+    if setting in ("lean", "int4-rows", "topk-all", "topk-wide", *TOKEN_ROWS, *FUSED) or setting.endswith(("-nolean", "-outdense")) or setting in PRESET_SETTINGS or setting in DX_SETTINGS:
         return None  # ResMLP/transformer settings: convolutions quantize in Pooling's own blocks
     if setting in MICROBATCHES:
         return None  # BatchNorm's statistics would have to run through the micro-batches: not measured
