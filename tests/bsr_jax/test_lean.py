@@ -156,7 +156,7 @@ def test_relu_keeps_a_one_bit_mask(name):
 
     plain, lean = compare(loss, {}, (x, cotangent))
     kept = sorted((r.shape, r.dtype) for r in lean.residuals)
-    # Each byte holds 8 rows of one column: the last axis stays the minor one (TPU's 128 lanes).
+    # (ceil(rows / 8), columns) on every platform: the last axis stays the minor one (TPU's 128 lanes).
     assert kept == sorted([((math.ceil(15 / 8), 61), "uint8"), (cotangent.shape, "float32")])
     assert plain.total > lean.total
 
