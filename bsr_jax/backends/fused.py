@@ -38,6 +38,13 @@ BLOCK = (1, pallas_kernels.quantized_matmul.TILE)
 # layers (at most 2.8) made its step faster (docs/RESULTS.md 14.2), ViT-B/16's (6 to 24, f32 with
 # N up to 3072: few rows a program) made its step slower, 2.24x -> 2.79x of dense's (14.3).
 REREADS = 4.0
+# The GPU dW kernel's products for float32 layers in int4: dy and the dequantized codes rounded to
+# bfloat16 (f32 sums). Measured on random layers (tests/bsr_jax/test_fused.py bounds it): bf16
+# products move dW by 0.0024 (relative), against int4's own 0.12 from dense (int8's 0.006: int8
+# keeps x's dtype). TF32 products run at half bf16's rate on an H100 and reached 0.23 of it against
+# bf16's 0.43 on an H200 (pallas_kernels.KERNEL_EFFICIENCY): ResMLP-S12's int4-fused step modelled
+# 10.69 -> 9.32 ms, ViT-B/16's 62.35 -> 47.61 (docs/RESULTS.md 14.8). TPU's kernel keeps x's dtype.
+DW_PRODUCTS = {("int4", jnp.dtype(jnp.float32)): jnp.dtype(jnp.bfloat16)}
 
 
 def _format_error(pruning: Pruning) -> str | None:
@@ -103,14 +110,14 @@ def fused_dw(bsr: BlockSparse, dy: jax.Array, otherwise) -> jax.Array:
         return otherwise(bsr, dy)
     kb = k // _tile(k)
 
-    def kernel(bsr, dy, t_matmul=pallas_kernels.quantized_t_matmul):
+    def kernel(bsr, dy, t_matmul=pallas_kernels.quantized_t_matmul, products=DW_PRODUCTS):
         codes = bsr.values.reshape(kb, m, -1)
-        x_dtype = bsr.dense_dtype or dy.dtype
-        return t_matmul(codes, bsr.scales.reshape(kb, m), dy.astype(x_dtype))
+        x_dtype = jnp.dtype(bsr.dense_dtype or dy.dtype)
+        return t_matmul(codes, bsr.scales.reshape(kb, m), dy.astype(products.get((bsr.storage_dtype, x_dtype), x_dtype)))
 
     def tpu_kernel(bsr, dy):
         if _tpu_error(m, k, n, bsr.storage_dtype, bsr.dense_dtype or dy.dtype):  # int4's uint8 codes among its refusals
             return otherwise(bsr, dy)
-        return kernel(bsr, dy, quantized_matmul_tpu.quantized_t_matmul)
+        return kernel(bsr, dy, quantized_matmul_tpu.quantized_t_matmul, products={})
 
     return platforms.by_lowering_platform(kernel, {"tpu": tpu_kernel}, bsr, dy)

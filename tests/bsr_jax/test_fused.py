@@ -45,7 +45,8 @@ def test_fused_gives_the_unfused_gradients_and_the_dense_forward(storage, k, dty
     y_xla, dx_xla, dw_xla = _grads(x, w, pruning, "xla")
     chex.assert_trees_all_equal(dx, dx_xla)  # dx = dy @ w.T either way: the same XLA product
     assert_close_scaled(y, y_xla, dtype)  # the kernel's own f32 accumulation order
-    assert_close_scaled(dw, dw_xla, dtype)  # the same codes, summed in another order
+    # The same codes, summed in another order (int4 in f32: products in bf16, fused.DW_PRODUCTS).
+    assert_close_scaled(dw, dw_xla, fused.DW_PRODUCTS.get((storage, jnp.dtype(dtype)), dtype))
     weights = jax.random.normal(jax.random.key(2), (*x.shape[:-1], w.shape[1]))
     dense_dx, dense_dw = jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32) * weights), argnums=(0, 1))(x, w)
     assert_close_scaled(dx, dense_dx, dtype)
@@ -62,6 +63,41 @@ def test_layers_the_kernels_do_not_take_run_the_unfused_path():
     chex.assert_trees_all_equal(_grads(x, w, ROWS["int8"], "fused"), _grads(x, w, ROWS["int8"], "xla"))
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: bsr_jax.bsr_linear(x, w, pruning=ROWS["int8"], backend="fused").sum()))(x, w))
     assert "matmul_quantizing" not in jaxpr and "quantized_t_matmul" not in jaxpr
+
+
+def _dw_kernel_dy_dtypes(pruning, dtype) -> set:
+    """The dtypes of dy as the dW kernels (Pallas calls reading integer codes) of a gradient take it."""
+    x = bf16_exact_normal(jax.random.key(0), (64, 256), dtype)
+    w = bf16_exact_normal(jax.random.key(1), (256, 32), dtype)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(bsr_jax.bsr_linear(x, w, pruning=pruning, backend="fused") ** 2)))(w)
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            dtypes = [v.aval.dtype for v in eqn.invars]
+            if eqn.primitive.name == "pallas_call" and jnp.issubdtype(dtypes[0], jnp.integer):
+                found.add(dtypes[-1])
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("storage, dy_dtype", [("int4", jnp.bfloat16), ("int8", jnp.float32)])
+def test_float32_int4_layers_take_dw_products_in_bf16_and_stay_within_its_rounding(storage, dy_dtype):
+    """int4's codes are 0.12 from dense's dW; bf16 products move it by 0.0024 (fused.DW_PRODUCTS).
+    int8 (0.006 from dense) keeps f32 products: the same dW as the unfused path's to f32 rounding."""
+    assert _dw_kernel_dy_dtypes(ROWS[storage], jnp.float32) == {jnp.dtype(dy_dtype)}
+    x = jax.random.normal(jax.random.key(3), (256, 256), jnp.float32)
+    w = jax.random.normal(jax.random.key(4), (256, 96), jnp.float32) * 0.1
+    dw, unfused = _grads(x, w, ROWS[storage], "fused")[2], _grads(x, w, ROWS[storage], "xla")[2]
+    dense = jax.grad(lambda w: jnp.sum((x @ w) * jax.random.normal(jax.random.key(2), (256, 96))))(w)
+    moved, format_error = (float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in ((dw, unfused), (unfused, dense)))
+    assert moved < {"int4": 0.005, "int8": 1e-5}[storage] and moved < format_error / 20, (moved, format_error)
 
 
 def _step(backend, pruning):
