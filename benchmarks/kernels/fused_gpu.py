@@ -1,5 +1,6 @@
 """The fused kernels alone on a GPU: ``matmul_quantizing`` against XLA's ``x @ w`` and
-``quantized_t_matmul`` (unsplit, split, and with wider tiles: ``DW_VARIANTS``) against XLA's ``x.T @ dy``, at the layer
+``quantized_t_matmul`` (unsplit, split, and with wider tiles: ``DW_VARIANTS``; for float32 layers also with dy in
+bfloat16, the fused backend's int4 products) against XLA's ``x.T @ dy``, at the layer
 shapes of the models in docs/RESULTS.md 13.1, beside what the roofline models for each.
 
 Each variant is jitted, warmed up and timed ``--reps`` times (each waited for), alternating with
@@ -65,6 +66,8 @@ def rows(shapes, storage, reps):
             kernel = functools.partial(qm.quantized_t_matmul, splits=splits, columns=columns, num_warps=warps)
             label = f"dW splits={splits or 'auto'}" + (f" columns={columns} warps={warps}" if columns else "")
             variants.append((label, jax.jit(kernel), (codes, scales, dy), dense_dw, (x, dy)))
+        if dtype == jnp.float32:  # what the fused backend runs for float32 int4 layers (fused.DW_PRODUCTS)
+            variants.append(("dW bf16 products", jax.jit(qm.quantized_t_matmul), (codes, scales, dy.astype(jnp.bfloat16)), dense_dw, (x, dy)))
         for kind, fn, args, baseline, base_args in variants:
             # Compiled once: timed, and its program read by the roofline.
             ours_compiled, theirs_compiled = fn.lower(*args).compile(), baseline.lower(*base_args).compile()
