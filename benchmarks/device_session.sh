@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs first, in one call (docs/RESULTS.md 13 and 13.1 say what came back
 # before): the fused kernels alone (benchmarks/kernels/fused_gpu.py, about 2 minutes), then whole steps
-# (benchmarks/memory/device_check.py, about 50 s a row): the split dW kernels' steps and XLA's row
-# formats, which no GPU has run. Writes under $OUT (the device tool's folder), else ./device_out.
+# (benchmarks/memory/device_check.py, about 50 s a row): the split dW kernels' steps (S12's with float32
+# int4's bf16 dW products, RESULTS 14.8) and XLA's row formats, which no GPU has run. Writes under $OUT (the device tool's folder), else ./device_out.
 #   bash benchmarks/device_session.sh [SECONDS_FOR_THE_STEPS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
