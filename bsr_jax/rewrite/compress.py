@@ -55,8 +55,7 @@ from jax import lax
 
 from bsr_jax.storage import barriers
 from bsr_jax.ops import head_loss
-from bsr_jax.rewrite import intercept
-from bsr_jax.rewrite import lean_graph
+from bsr_jax.rewrite import intercept, lean_graph, lean_relu
 from bsr_jax.ops.dx import check_dx
 from bsr_jax.rewrite import lean as lean_ops
 from bsr_jax.rewrite import rules as rules_lib
@@ -244,7 +243,9 @@ def _linen_compressed(model: nn.Module, rules: rules_lib.Rules, lean: bool, trea
                        if loss_chunk is not None else contextlib.nullcontext())  # fmt: skip
         # lean_graph's lean modules take bsr_jax.rewrite.lean's attention; not where a dx format keeps q, k, v.
         by_path = lean_ops.lean_attention(treatment.lean_exact) if treatment is not None else contextlib.nullcontext()
-        with compressing(rules, lean=lean), head_losses, by_path:
+        # ... and ReLU's 1-bit mask where a rule compresses a layer below them (bsr_jax.rewrite.lean_relu).
+        masks = lean_relu.lean_relu(lambda p: treatment.lean_exact(p) and rules_lib.compresses_below(rules, p)) if treatment and not lean else None
+        with compressing(rules, lean=lean), head_losses, by_path, masks or contextlib.nullcontext():
             # lean: hand-written norms, activations and attention keep less too (bsr_jax.rewrite.lean_graph).
             return lean_graph.lean_call(run, variables, *args, treatment=treatment, **kwargs) if treatment is not None else run(variables, *args, **kwargs)
 
@@ -344,8 +345,8 @@ def compress_model(model: Any, rules: Rule | Sequence[Rule] | LayerTable, *, lea
       lean: also make norms, activations and attention keep less (exact; ``bsr_jax.rewrite.lean``); or
         ``[(pattern, bool), ...]`` by module path, first match (unmatched: lean), linen only:
         ``[("blocks_0/*", False)]`` leaves what ``blocks_0``'s submodules keep to XLA (then only
-        ``bsr_jax.rewrite.lean_graph`` makes modules lean, not ``bsr_jax.rewrite.lean``'s replaced functions,
-        so ReLU keeps its output, not a 1-bit mask).
+        ``bsr_jax.rewrite.lean_graph`` makes modules lean, not ``bsr_jax.rewrite.lean``'s replaced functions;
+        ReLU keeps a 1-bit mask only in lean modules with a compressed layer below them, ``lean_relu``).
       remat: ``[(pattern, policy), ...]`` (linen): the module whose path a pattern matches (the
         shortest such path) and everything below it run under one ``jax.checkpoint(policy=...)``,
         as if the model had wrapped it in ``nn.remat(..., policy=policy)``; ``None``: JAX's

@@ -355,6 +355,11 @@ def lean_attention(where: Callable[[str], bool]) -> Iterator[None]:
         _ATTENTION_WHERE.reset(token)
 
 
+def active() -> bool:
+    """Whether this thread is inside ``lean_neighbours``."""
+    return bool(getattr(_local, "depth", 0))
+
+
 @contextlib.contextmanager
 def lean_neighbours(enabled: bool = True) -> Iterator[None]:
     """Run norms, activations and attention traced inside this context the lean way (see the

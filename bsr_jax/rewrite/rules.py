@@ -97,6 +97,15 @@ def resolve(rules: Rules, path: str, module: Any, conv: bool) -> tuple[int | Non
     return i, compression, None
 
 
+def compresses_below(rules: Rules, path: str) -> bool:
+    """Whether ``rules`` compress a layer below the module at ``path`` (a rule's first match for a
+    child of it; a table's rows under it)."""
+    if isinstance(rules, LayerTable):
+        return any(row.path.startswith(f"{path}/") and row.compression is not None for row in rules)
+    compression = resolve(rules, f"{path}/*", None, conv=False)[1]
+    return compression is not None and compression is not layer_choice.NO_MATCH
+
+
 def unmatched_error(rules: Rules, matched: set[int], layers: str = "layer") -> ValueError | None:
     """The error naming the rules (a table's paths) that matched no layer, or ``None``: a typo
     never silently leaves a model dense, nor a table row a layer it does not have."""
