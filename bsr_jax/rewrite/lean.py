@@ -173,10 +173,11 @@ def _bitmask_relu(original: Callable[[jax.Array], jax.Array]) -> Callable[[jax.A
     return lean
 
 
+LEAN_RELU = _bitmask_relu(jax.nn.relu)
 _LEAN_ACTIVATIONS: tuple[tuple[Callable[..., jax.Array], Callable[..., jax.Array]], ...] = (
     (jax.nn.gelu, _checkpointed(jax.nn.gelu)),
     (jax.nn.silu, _checkpointed(jax.nn.silu)),  # jax.nn.swish is the same function
-    (jax.nn.relu, _bitmask_relu(jax.nn.relu)),
+    (jax.nn.relu, LEAN_RELU),
 )
 
 
@@ -232,12 +233,11 @@ def _inside_lean_norm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _lean_activation_fields(module: nn.Module) -> Iterator[None]:
+def swapped_fields(module: nn.Module, lean_of: dict[int, Callable[..., Any]]) -> Iterator[None]:
     """Activations held as module attributes (``act: Callable = nn.relu``, as flax's ResNet
     examples do) were bound when the dataclass was defined, so replacing ``nn.relu`` does not reach
-    them: they are swapped for their lean versions for this call (children built from them, e.g.
-    ``Block(act=self.act)``, get the lean ones)."""
-    lean_of = {id(original): lean for original, lean in _LEAN_ACTIVATIONS}
+    them: those ``lean_of`` maps (by the original's id) are swapped for this call (children built
+    from them, e.g. ``Block(act=self.act)``, get the replacements)."""
     originals = {f.name: vars(module).get(f.name) for f in dataclasses.fields(module)}
     originals = {name: value for name, value in originals.items() if id(value) in lean_of}
     for name, value in originals.items():
@@ -263,7 +263,7 @@ def _output_kept_as_is(attention: nn.MultiHeadDotProductAttention) -> bool:
 def _linen_interceptor(next_fun, args, kwargs, context):
     if context.method_name != "__call__" or getattr(_local, "inside", False):
         return next_fun(*args, **kwargs)
-    with _lean_activation_fields(context.module):
+    with swapped_fields(context.module, {id(original): lean for original, lean in _LEAN_ACTIVATIONS}):
         return _lean_module_call(next_fun, args, kwargs, context.module)
 
 
@@ -315,18 +315,22 @@ def _nnx_lean_call(original_call: Callable[..., jax.Array]) -> Callable[..., jax
 
 # ---- the context ----
 
-def _replacements() -> list[tuple[Any, str, Any]]:
-    """(owner, attribute, lean value) for every attribute this context replaces."""
-    lean_of = {id(original): lean for original, lean in _LEAN_ACTIVATIONS}
-    lean_of[id(_dot_product_attention)] = lean_dot_product_attention
-    found = [
+def namespace_replacements(lean_of: dict[int, Any]) -> list[tuple[Any, str, Any]]:
+    """(namespace, attribute, replacement) for every public attribute of ``NAMESPACES`` that
+    ``lean_of`` maps (by the original's id)."""
+    return [
         (namespace, name, lean_of[id(value)])
         for namespace in NAMESPACES
         for name, value in vars(namespace).items()
         if id(value) in lean_of and not name.startswith("_")
     ]
-    found += [(cls, "__call__", _nnx_lean_call(cls.__call__)) for cls in NNX_NORMS]
-    return found
+
+
+def _replacements() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, lean value) for every attribute this context replaces."""
+    lean_of = {id(original): lean for original, lean in _LEAN_ACTIVATIONS}
+    lean_of[id(_dot_product_attention)] = lean_dot_product_attention
+    return namespace_replacements(lean_of) + [(cls, "__call__", _nnx_lean_call(cls.__call__)) for cls in NNX_NORMS]
 
 
 _PATCH = ProcessWidePatch(_replacements)  # found when the first context opens

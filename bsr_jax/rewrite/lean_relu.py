@@ -26,7 +26,6 @@ from bsr_jax.rewrite import lean
 
 _WHERE: contextvars.ContextVar[Callable[[str], bool] | None] = contextvars.ContextVar("bsr_jax_lean_relu", default=None)
 _ORIGINAL = jax.nn.relu
-_BITMASK = dict((id(original), replacement) for original, replacement in lean._LEAN_ACTIVATIONS)[id(_ORIGINAL)]
 
 
 def _caller_path() -> str | None:
@@ -40,27 +39,16 @@ def relu(x):
     where the innermost ``lean_relu`` accepts the calling module's path."""
     where = _WHERE.get()
     if lean.active() or (where is not None and (path := _caller_path()) is not None and where(path)):
-        return _BITMASK(x)
+        return lean.LEAN_RELU(x)
     return _ORIGINAL(x)
 
 
-def _replacements():
-    return [(ns, name, relu) for ns in lean.NAMESPACES for name, value in vars(ns).items() if value is _ORIGINAL and not name.startswith("_")]
-
-
-_PATCH = ProcessWidePatch(_replacements)
+_PATCH = ProcessWidePatch(lambda: lean.namespace_replacements({id(_ORIGINAL): relu}))
 
 
 def _relu_fields(next_fun, args, kwargs, context):
-    module = context.module
-    fields = [name for name, value in vars(module).items() if value is _ORIGINAL]
-    for name in fields:
-        object.__setattr__(module, name, relu)
-    try:
+    with lean.swapped_fields(context.module, {id(_ORIGINAL): relu}):
         return next_fun(*args, **kwargs)
-    finally:
-        for name in fields:
-            object.__setattr__(module, name, _ORIGINAL)
 
 
 @contextlib.contextmanager
