@@ -143,12 +143,29 @@ def t_matmul_flops(operands: list[tuple[int, ...]], result: tuple[int, ...]) -> 
     return 2 * m * k * n
 
 
+def _check_tiling(kernel: str, rows: int | None, columns: int | None, num_warps: int) -> None:
+    for name, value in (("rows", rows), ("columns", columns)):
+        if value is not None and value not in (16, 32, 64, 128, 256):
+            raise ValueError(f"{kernel}: {name} must be a power of two in 16..256 (or None), got {value}")
+    if num_warps not in (4, 8):
+        raise ValueError(f"{kernel}: num_warps must be 4 or 8, got {num_warps}")
+
+
 def _code_bytes(m: int, k: int, storage: str, tile: int) -> int:
     return m * k // (2 if storage == "int4" else 1) + m * (k // tile) * 4
 
 
 def matmul_quantizing(
-    x: jax.Array, w: jax.Array, *, storage: str, tile: int = TILE, precision: lax.PrecisionLike = None, interpret: bool = False
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    storage: str,
+    tile: int = TILE,
+    precision: lax.PrecisionLike = None,
+    rows: int | None = None,
+    columns: int | None = None,
+    num_warps: int = NUM_WARPS,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``x @ w`` and x's codes and scales, in one kernel.
 
@@ -159,6 +176,9 @@ def matmul_quantizing(
       tile: x's columns per scale, a power of two in 16..128 (``(1, tile)`` blocks).
       precision: of the products (``lax.dot_general``'s): ``None`` lets a GPU multiply float32 in
         TF32, as XLA's own dot does by default.
+      rows, columns: of y each program owns, powers of two in 16..256 (halved until they divide M and
+        N); ``None``: 64 rows, 128 columns (64 for f32).
+      num_warps: of each program (Triton's): 4 or 8.
       interpret: run the Pallas interpreter even when lowering for a GPU.
 
     Returns:
@@ -170,7 +190,8 @@ def matmul_quantizing(
     why = shape_error(m, k, n, storage, tile) if w.shape[0] == k and x.dtype == w.dtype else f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must be (M, K) and (K, N) of one dtype"
     if why:
         raise ValueError(f"matmul_quantizing: {why}")
-    bm, bn, kb = _tile(m, ROWS), _tile(n, _columns(x.dtype)), k // tile
+    _check_tiling("matmul_quantizing", rows, columns, num_warps)
+    bm, bn, kb = _tile(m, rows or ROWS), _tile(n, columns or _columns(x.dtype)), k // tile
     width = tile // 2 if storage == "int4" else tile
     # A stage loads x's tile and w's (and, where it quantizes int4, x's tile again as two halves).
     stages = _stages((bm * tile * (2 if storage == "int4" else 1) + tile * bn) * x.dtype.itemsize)
@@ -196,7 +217,7 @@ def matmul_quantizing(
                 pl.BlockSpec((kb, bm, width), lambda i, j: (0, i, 0)),
                 pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
             ],
-            compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=stages),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=stages),
             cost_estimate=cost,
             interpret=interpret,
             name="matmul_quantizing",
@@ -273,6 +294,7 @@ def quantized_t_matmul(
     precision: lax.PrecisionLike = None,
     out_dtype=jnp.float32,
     splits: int | None = None,
+    rows: int | None = None,
     columns: int | None = None,
     num_warps: int = NUM_WARPS,
     interpret: bool = False,
@@ -290,6 +312,7 @@ def quantized_t_matmul(
       splits: programs that share each tile's token loop, each over ``M / splits`` rows, their f32
         partial sums added after; a power of two dividing ``M / bm``. ``None``: ``token_splits``, as
         many as keep the partial sums within dy's bytes.
+      rows: of the token loop's step, a power of two in 16..256 (halved until it divides M); ``None``: 64.
       columns: of dy (and dW) each program owns, a power of two in 16..256 (halved until it divides
         N); ``None``: 128 (64 for f32). Wider tiles dequantize each tile of codes for more products.
       num_warps: of each program (Triton's): 4 or 8 (wide tiles need 8 for their accumulators).
@@ -311,14 +334,13 @@ def quantized_t_matmul(
     why = shape_error(m, kb * tile, n, storage, tile)
     if why:
         raise ValueError(f"quantized_t_matmul: {why}")
-    if columns is not None and (columns not in (16, 32, 64, 128, 256)) or num_warps not in (4, 8):
-        raise ValueError(f"quantized_t_matmul: columns must be a power of two in 16..256 and num_warps 4 or 8, got {columns} and {num_warps}")
-    bm, bn = _tile(m, ROWS), _tile(n, columns or _columns(dy.dtype))
+    _check_tiling("quantized_t_matmul", rows, columns, num_warps)
+    bm, bn = _tile(m, rows or ROWS), _tile(n, columns or _columns(dy.dtype))
     # The partial sums (splits x K x N f32) no larger than dy (M x N), live beside them anyway.
     splits = token_splits(kb * (n // bn), m // bm, m * dy.dtype.itemsize // (4 * kb * tile)) if splits is None else splits
     if splits < 1 or splits & (splits - 1) or (m // bm) % splits:
         raise ValueError(f"quantized_t_matmul: splits must be a power of two dividing M / {bm} = {m // bm}, got {splits}")
-    rows = m // splits  # of the token loop each program runs
+    loop_rows = m // splits  # of the token loop each program runs
     stages = _stages(bm * (width + 4 + bn * dy.dtype.itemsize))  # a stage loads codes, scales and dy's tile
     # Split, each program writes its f32 partial sum: (splits, K, N), added after.
     out = result_like(dy, (kb * tile, n), out_dtype) if splits == 1 else result_like(dy, (splits, kb * tile, n), jnp.float32)
@@ -335,9 +357,9 @@ def quantized_t_matmul(
             out_shape=out,
             grid=(kb, n // bn, splits),
             in_specs=[
-                pl.BlockSpec((1, rows, width), lambda j, c, p: (j, p, 0)),
-                pl.BlockSpec((1, rows), lambda j, c, p: (j, p)),
-                pl.BlockSpec((rows, bn), lambda j, c, p: (p, c)),
+                pl.BlockSpec((1, loop_rows, width), lambda j, c, p: (j, p, 0)),
+                pl.BlockSpec((1, loop_rows), lambda j, c, p: (j, p)),
+                pl.BlockSpec((loop_rows, bn), lambda j, c, p: (p, c)),
             ],
             out_specs=pl.BlockSpec((*squeezed, tile, bn), lambda j, c, p: (p, j, c)[-len(out.shape):]),
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=stages),

@@ -10,8 +10,11 @@ def test_every_kernel_variant_is_timed_against_xla_and_modelled(tmp_path):
     out = tmp_path / "fused_gpu.json"
     fused_gpu.main(["--shapes", "tiny", "--reps", "1", "--json", str(out)])
     rows = json.loads(out.read_text())
-    assert [r["kernel"] for r in rows] == ["forward", "dW splits=1", "dW splits=auto", "dW splits=auto columns=256 warps=8",
-                                           "dW splits=auto columns=128 warps=8", "dW bf16 products"]
+    assert [r["kernel"] for r in rows] == [
+        "forward", "forward rows=128 warps=4", "forward rows=128 warps=8", "forward columns=256 warps=8",
+        "dW splits=1", "dW splits=auto", "dW splits=auto rows=128 warps=4", "dW splits=auto rows=128 warps=8",
+        "dW splits=auto columns=256 warps=8", "dW splits=auto rows=128 columns=256 warps=8", "dW bf16 products",
+    ]  # fmt: skip
     for row in rows:
         assert row["us"] > 0 and row["xla_us"] > 0 and row["modelled_us"] > 0
         assert row["ratio"] == row["us"] / row["xla_us"]

@@ -67,8 +67,28 @@ def test_dw_split_over_the_tokens_sums_to_the_reference(storage, splits, columns
         quantized_t_matmul(codes, scales, dy, splits=3)
     with pytest.raises(ValueError, match="got 8"):
         quantized_t_matmul(codes, scales, dy, splits=8)
-    with pytest.raises(ValueError, match="columns must be a power of two in 16..256 and num_warps 4 or 8, got 48 and 4"):
+    with pytest.raises(ValueError, match=r"quantized_t_matmul: columns must be a power of two in 16..256 \(or None\), got 48"):
         quantized_t_matmul(codes, scales, dy, columns=48)
+    with pytest.raises(ValueError, match=r"quantized_t_matmul: rows must be a power of two in 16..256 \(or None\), got 512"):
+        quantized_t_matmul(codes, scales, dy, rows=512)
+    with pytest.raises(ValueError, match="quantized_t_matmul: num_warps must be 4 or 8, got 2"):
+        quantized_t_matmul(codes, scales, dy, num_warps=2)
+
+
+@pytest.mark.parametrize("rows,columns", [(128, None), (None, 256), (128, 256), (16, 16)])
+def test_every_tiling_gives_the_reference(rows, columns):
+    """The tilings benchmarks/kernels/fused_gpu.py times: taller and wider programs give the same
+    products (forward exactly the reference's codes; y and dW up to the order of f32 sums)."""
+    m, k, n = 256, 256, 256
+    x, w, dy = _operands(m, k, n, jnp.float32)
+    y, codes, scales = matmul_quantizing(x, w, storage="int4", rows=rows, columns=columns, num_warps=8)
+    expected_codes, expected_scales = quantize_reference(x, "int4")
+    chex.assert_trees_all_equal((codes, scales), (expected_codes, expected_scales))
+    chex.assert_trees_all_close(y, x @ w, rtol=1e-5, atol=1e-4)
+    dw = quantized_t_matmul(codes, scales, dy, rows=rows, columns=columns, num_warps=8)
+    assert_close_scaled(dw, quantized_t_matmul_reference(codes, scales, dy), jnp.float32)
+    with pytest.raises(ValueError, match=r"matmul_quantizing: rows must be a power of two in 16..256 \(or None\), got 100"):
+        matmul_quantizing(x, w, storage="int4", rows=100)
 
 
 def test_ties_round_to_even_and_nan_rows_get_a_nan_scale():
