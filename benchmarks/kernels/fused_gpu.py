@@ -3,7 +3,7 @@
 bfloat16, the fused backend's int4 products) against XLA's ``x.T @ dy``, at the layer
 shapes of the models in docs/RESULTS.md 13.1, beside what the roofline models for each.
 
-Each variant is jitted, warmed up and timed ``--reps`` times (each waited for), alternating with
+Each variant is jitted, warmed up and timed ``--reps`` times (a burst of ``--burst`` calls each, waited for once), alternating with
 its XLA baseline so that a slow spell hits both; the median is reported, and the kernel's share of
 the matrix units' peak it implies (``pallas_kernels.KERNEL_EFFICIENCY`` is fitted to whole steps;
 this measures it per kernel and shape). Off a GPU the kernels run in the Pallas interpreter: use
@@ -49,10 +49,17 @@ FORWARD_VARIANTS = ((None, None, 4), (128, None, 4), (128, None, 8), (None, 256,
 DW_VARIANTS = ((1, None, None, 4), (None, None, None, 4), (None, 128, None, 4), (None, 128, None, 8), (None, None, 256, 8), (None, 128, 256, 8))
 
 
-def _seconds(compiled, args):
+# Calls dispatched back to back per timing, waited for once: a call alone timed the host's dispatch and wait
+# too (150-250 us on the H200 of docs/RESULTS.md 13.2, as long as the kernels), a burst overlaps them.
+BURST = 20
+
+
+def _seconds(compiled, args, burst):
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - t0
+    for _ in range(burst):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / burst
 
 
 def _label(kind, **tiling):
@@ -60,7 +67,7 @@ def _label(kind, **tiling):
     return kind + (" " + " ".join(chosen) if chosen else "")
 
 
-def rows(shapes, storage, reps):
+def rows(shapes, storage, reps, burst=BURST):
     for name, m, k, n, dtype in shapes:
         keys = jax.random.split(jax.random.key(0), 3)
         x, w = jax.random.normal(keys[0], (m, k), dtype), jax.random.normal(keys[1], (k, n), dtype) * 0.05
@@ -88,8 +95,8 @@ def rows(shapes, storage, reps):
                 continue
             ours, theirs = [], []
             for _ in range(reps):  # alternating, one timing of each per round
-                ours.append(_seconds(ours_compiled, args))
-                theirs.append(_seconds(theirs_compiled, base_args))
+                ours.append(_seconds(ours_compiled, args, burst))
+                theirs.append(_seconds(theirs_compiled, base_args, burst))
             flops = 2 * m * k * n
             seconds = statistics.median(ours)
             yield dict(layer=name, m=m, k=k, n=n, dtype=jnp.dtype(dtype).name, storage=storage, kernel=kind,
@@ -103,13 +110,16 @@ def main(argv=None):
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="models")
     parser.add_argument("--storage", choices=sorted(qm.LIMITS), default="int4")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--burst", type=int, default=BURST, help="calls per timing, waited for once (the median's unit is one call)")
     parser.add_argument("--json", default="fused_gpu.json")
     args = parser.parse_args(argv)
+    if args.reps < 1 or args.burst < 1:
+        parser.error(f"--reps and --burst must be at least 1, got {args.reps} and {args.burst}")
     found = []
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print("| layer (M x K x N, dtype) | kernel | us | XLA's us | ratio | modelled us | TFLOP/s | share of the H100's peak |")
     print("|---|---|---|---|---|---|---|---|")
-    for row in rows(SHAPES[args.shapes], args.storage, args.reps):
+    for row in rows(SHAPES[args.shapes], args.storage, args.reps, args.burst):
         found.append(row)
         print(f"| {row['layer']} ({row['m']} x {row['k']} x {row['n']}, {row['dtype']}) | {row['kernel']} | {row['us']:.1f} | "
               f"{row['xla_us']:.1f} | {row['ratio']:.2f} | {row['modelled_us']:.1f} | {row['tflops']:.0f} | {row['share_of_peak']:.2f} |", flush=True)  # fmt: skip
