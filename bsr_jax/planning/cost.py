@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -282,9 +282,11 @@ class CostModel:
         # The host copies overlap the kernels (the roofline's step is the larger of the two).
         return max(kept + self._base(bases, last), kept + self._value(self.kept, self.blocks[-1], last) + h), time + max(device, host)
 
-    def solve(self, limit: float, options: Sequence[str], variants: Sequence[tuple[str, str]], resolution: int = 1024) -> Key | None:
+    def solve(self, limit: float, options: Sequence[str], variants: Sequence[tuple[str, str]], resolution: int = 1024,
+              exclude: Collection[Key] = ()) -> Key | None:  # fmt: skip
         """The assignment of ``options`` to the blocks, with one of ``variants`` (rest, loss), of
-        least predicted time whose predicted peak is at most ``limit``; None where none is."""
+        least predicted time whose predicted peak is at most ``limit``; None where none is. A key in
+        ``exclude`` is not returned: its (rest, loss, last block's option) gives no candidate."""
         fitted = self._bases()
         bases, above, _ = fitted
         head = self.blocks[:-1]
@@ -310,6 +312,8 @@ class CostModel:
                 if found is None:
                     continue
                 key = (tuple(allowed[i] for i in found) + (last,), rest, loss)
+                if key in exclude:
+                    continue
                 seconds = self.predict(key, fitted)[1]
                 if best is None or seconds < best[0]:
                     best = (seconds, key)
