@@ -40,7 +40,7 @@ class Family(Protocol):
     name: str  # the kind, for messages: "flax.linen"
     loss_args: tuple[str, ...]  # what loss_fn takes before the batch: ("module", "variables")
     loss_example: str  # a loss of that form, for messages
-    unavailable: Mapping[str, str]  # block options this kind cannot take -> why
+    unavailable: Mapping[str, str]  # block options this kind cannot take -> why (an instance's: this model, too)
     rest_unavailable: Mapping[str, str]  # the same for the rest
     blocks: tuple[str, ...]  # the repeated blocks' paths
     state: Any  # abstract: the step's first argument (donated)

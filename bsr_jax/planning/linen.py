@@ -3,6 +3,7 @@ stacks), each candidate ``compress_model`` with rules, lean modes, dx and remat 
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -82,6 +83,7 @@ def assemble(model: nn.Module, blocks: Sequence[str], choices: Sequence[str], re
         inside = (block, f"{block}/*")
         # Every block gets its own rule, exact ones too: the rest's rule ("*") is for what lies
         # outside the blocks (a kept or remat block under a rest of int4 stays exact).
+        rules += [Rule(f"{block}/{glob}", None) for glob in option.exact_layers]  # before the block's: the first match wins
         rules.append(Rule(f"{block}/*", option.compression))
         if option.remat:
             remat.append((block, option.policy))
@@ -124,6 +126,11 @@ class Linen:
         self.blocks = find_blocks(traced.jaxpr, type(model).__name__)[0]
         modules = {"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(self.params)}
         self.outside = any(not any(m == b or m.startswith(b + "/") for b in self.blocks) for m in modules)
+        # An option that leaves layers exact where this model's blocks have none would add nothing (and
+        # compress_model refuses a rule that matches no layer).
+        self.unavailable = {name: f"no layer in the blocks matches {list(option.exact_layers)}" for name, option in OPTIONS.items()
+                            if option.exact_layers and not any(fnmatch.fnmatchcase(m, f"{b}/{glob}") for m in modules for b in self.blocks
+                                                               for glob in option.exact_layers)}  # fmt: skip
 
     def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
         return assemble(self.model, self.blocks, choices, rest, self.outside)

@@ -28,7 +28,8 @@ from bsr_jax.core.layer_choice import nnx_module_paths
 from bsr_jax.rewrite.rules import Rule
 
 _BY_PATH = "needs compress_model's lean and dx rules by module path, which are linen's"
-LINEN_ONLY: Mapping[str, str] = {"lean": f"per-block lean {_BY_PATH}", "int4-dx8": f"per-block approximate dx {_BY_PATH}"}
+LINEN_ONLY: Mapping[str, str] = {"lean": f"per-block lean {_BY_PATH}", "int4-dx8": f"per-block approximate dx {_BY_PATH}",
+                                 "int4-outdense": f"the lean attention that keeps its output {_BY_PATH}"}
 REST_LINEN_ONLY: Mapping[str, str] = {"lean": f"a lean rest {_BY_PATH}"}
 _MATCHED = (*ROUTED_NNX, ROUTED_NNX_CONV, REPORTED_NNX)  # the layers compress_model's rules match
 

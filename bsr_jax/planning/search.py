@@ -87,6 +87,15 @@ def _check_loss(loss_fn: Callable[..., jax.Array], family: type, batch: Sequence
                         f"cannot take that ({error}); write it as, e.g., {family.loss_example}") from None  # fmt: skip
 
 
+def _not_refused_by(family: Family, options: Sequence[str], named: bool) -> tuple[str, ...]:
+    """``options`` less those this model cannot take (``family.unavailable``: the instance's, beyond
+    its kind's); a ``ValueError`` where they were ``named``."""
+    refused = [o for o in options if o in family.unavailable]
+    if refused and named:
+        raise ValueError(f"options {refused} not available for this model: " + "; ".join(f"{o}: {family.unavailable[o]}" for o in refused))
+    return tuple(o for o in options if o not in refused)
+
+
 def _available(argument: str, given: Sequence[str] | None, known: Sequence[str], family: type, approximate: bool) -> tuple[str, ...]:
     """``given`` checked against ``known`` and what ``family`` cannot take; ``None``: all it can
     that are exact, or with ``approximate`` all it can (opt-in ones only by name)."""
@@ -199,6 +208,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
         raise ValueError(f"model must be a flax.linen or flax.nnx Module, got {type(model).__name__}")
     family_type = Linen if isinstance(model, nn.Module) else planner_nnx.Nnx
     defaults = options is None and not approximate  # approximate=True would add options (named ones are searched as named)
+    named = options is not None
     options = _available("options", options, tuple(OPTIONS), family_type, approximate)
     rest_options = _available("rest_options", rest_options, REST_OPTIONS, family_type, approximate)
     if loss_chunk is not None:
@@ -207,8 +217,10 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     if microbatches == AUTO:
         if family_type is not Linen:
             raise ValueError("microbatches='auto' needs a flax.linen model (NNX: not yet)")
-        same = dict(optimizer=optimizer, target=target, options=options, rest_options=rest_options, verify=verify, variables=variables,
-                    init_args=init_args, progress=progress, cache={} if cache is None else cache, loss_chunk=loss_chunk)  # fmt: skip
+        # Options as given (None: each count's search takes its defaults, less what this model cannot take).
+        same = dict(optimizer=optimizer, target=target, options=options if named else None, approximate=approximate, rest_options=rest_options,
+                    verify=verify, variables=variables, init_args=init_args, progress=progress, cache={} if cache is None else cache,
+                    loss_chunk=loss_chunk)  # fmt: skip
 
         def at_count(beat: float = math.inf, **kw: Any) -> Plan:
             token = _TO_BEAT.set(beat)
@@ -227,6 +239,7 @@ def plan(model: nn.Module | nnx.Module, loss_fn: Callable[..., jax.Array], *exam
     _check_loss(loss_fn, family_type, batch)
     loss_fns = {"plain": loss_fn} | ({"chunked": chunked_head_loss(loss_fn, chunk=loss_chunk)} if loss_chunk else {})
     family: Family = family_type(model, loss_fn, batch, variables, init_args)
+    options = _not_refused_by(family, options, named)
     mesh = placement.target_mesh((family.state, batch), target)
     if mesh is not None:  # the user's shardings, on the target's devices
         family.state, family.params, batch = placement.on_mesh((family.state, family.params, batch), mesh)

@@ -711,3 +711,54 @@ def test_a_search_compiles_with_cublas_once_a_step_of_it_has_no_triton_gemm(monk
     assert search.triton_gemm() is None
     tpu = planner.Candidates(family, {"plain": _labels_loss}, BATCH, optax.adamw(1e-3), "tpu-v5p", False, search.shared)
     assert tpu.triton_gemm() is None
+
+
+class AttentionBlock(nn.Module):
+    """A pre-norm transformer block as flax's lm1b example writes one (nn.MultiHeadDotProductAttention,
+    whose output projection is named ``out``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32)(nn.LayerNorm()(x))
+        return x + nn.Dense(32)(nn.relu(nn.Dense(64)(nn.LayerNorm()(x))))
+
+
+class AttentionNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32)(x)
+        for i in range(3):
+            x = AttentionBlock(name=f"blocks_{i}")(x)
+        return nn.Dense(10)(x)
+
+
+def test_int4_outdense_leaves_the_attentions_output_projection_exact_and_keeps_its_output():
+    from bsr_jax.planning.linen import Linen
+
+    tokens = jax.random.normal(jax.random.key(2), (4, 16, 8))
+    loss = lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2)  # noqa: E731
+    family = Linen(AttentionNet(), loss, (tokens,), None, None)
+    assert "int4-outdense" not in family.unavailable
+    v = AttentionNet().init(jax.random.key(1), tokens)
+    module = family.assemble(["keep", "int4-outdense", "int4"], "keep")
+    # The compressed layers (pruning_plan lists no exact one): blocks_1's but its out, all of blocks_2's.
+    layers = {layer.path: layer.compression.storage_dtype for layer in bsr_jax.pruning_plan(lambda v, x: module.apply(v, x), v, tokens).layers}
+    attention = "MultiHeadDotProductAttention_0"
+    expected = [f"{b}/{layer}" for b in ("blocks_1", "blocks_2") for layer in (f"{attention}/query", f"{attention}/key", f"{attention}/value", "Dense_0", "Dense_1")]
+    assert sorted(layers) == sorted([*expected, f"blocks_2/{attention}/out"])
+    assert set(layers.values()) == {"int4"}
+    # blocks_1's out layer takes dense's weight gradient; blocks_2's, int4's.
+    grads = jax.grad(lambda p: loss(module, {"params": p}, tokens))(v["params"])
+    dense = jax.grad(lambda p: loss(AttentionNet(), {"params": p}, tokens))(v["params"])
+    chex.assert_trees_all_close(grads["blocks_1"][attention]["out"], dense["blocks_1"][attention]["out"], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(grads["blocks_2"][attention]["out"]["kernel"], dense["blocks_2"][attention]["out"]["kernel"], rtol=1e-3)
+
+
+def test_int4_outdense_is_not_offered_to_blocks_without_an_attention_output_projection():
+    from bsr_jax.planning.linen import Linen
+
+    family = Linen(Net(), lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2), (X,), None, None)
+    assert "no layer in the blocks matches ['*/out']" in family.unavailable["int4-outdense"]
+    with pytest.raises(ValueError, match=r"options \['int4-outdense'\] not available for this model: int4-outdense: no layer in the blocks"):
+        planner.plan(Net(), lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2), X, optimizer=optax.adamw(1e-3),
+                     budget=0.5, options=["remat", "int4-outdense"], progress=False)
