@@ -67,11 +67,12 @@ OPTIONS: Mapping[str, Option] = {
     "int8": Option(Pruning(0.0, block=16, storage_dtype="int8"), approximation="dW from int8 inputs, error 0.002-0.013 (docs/RESULTS.md 3b)"),
     "int4": Option(_INT4, approximation=_DW_INT4),
     "int4-dx8": Option(_INT4, dx="int8", approximation=f"{_DW_INT4}; dx from int8 inputs, error up to 0.014 (docs/memory.md 1.2)"),
-    # int4 but the attention's output projection (flax's MultiHeadDotProductAttention names it "out"):
-    # the lean attention then keeps its output, which that layer keeps anyway, for flash attention's
-    # backward instead of autodiff's recomputation (12 x 768 LM, H100: 72.63 -> 69.34 ms for 214 MiB
-    # more, docs/RESULTS.md 14.7).
-    "int4-outdense": Option(_INT4, exact_layers=("*/out",), approximation=_DW_INT4),
+    # int4 but the attention's output projection (flax's MultiHeadDotProductAttention names it "out")
+    # exact: the lean attention then keeps its output, which that layer keeps anyway, for flash
+    # attention's backward instead of autodiff's recomputation (12 x 768 LM, H100: 72.63 -> 69.34 ms
+    # for 214 MiB more, docs/RESULTS.md 14.7). Opt-in: searched by default it took a second probe
+    # step on 12-block models and no LM plan (docs/RESULTS.md 14.10).
+    "int4-outdense": Option(_INT4, exact_layers=("*/out",), approximation=_DW_INT4, opt_in=True),
     "topk": Option(Pruning(0.7, block=16), approximation="dW from the top 30% of blocks, biased: 55% of its norm lost (docs/RESULTS.md 3)"),
     # int4 in 1 x 128 blocks through the fused kernels (GPU: the forward GEMM writes the
     # codes, dW's reads them; TPU: the unfused path, the same codes).
