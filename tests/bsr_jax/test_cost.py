@@ -258,6 +258,27 @@ def test_a_candidate_compiled_just_over_the_budget_makes_the_search_ask_for_less
     assert list(search.cache) == [over, under]
 
 
+class _Predicted:
+    """``compile_predicted``'s view of a ``CostModel`` that predicts ``predicted[key]`` (peak, seconds)
+    and solves for the fastest key predicted within what it is asked, not excluded."""
+
+    def __init__(self, predicted):
+        self.predicted = predicted
+
+    def solve(self, asked, names, variants, exclude=()):
+        fitting = [k for k, (peak, _) in self.predicted.items() if peak <= asked and k not in exclude]
+        return min(fitting, key=lambda k: self.predicted[k][1], default=None)
+
+    def predict(self, key):
+        return self.predicted[key]
+
+    def observe(self, key, peak, seconds):
+        pass
+
+    def alike(self):
+        return True
+
+
 def test_a_candidate_over_the_budget_bars_only_itself_from_what_fits_the_budget():
     """The 12 x 768 LM at 0.2 (H100): 1 lean + 11 remat, predicted 5,338 MiB, compiled 5,376 in a budget
     of 5,369; asked for 34 MiB less, the solver had only remat on every block (76.49 ms) left, where
@@ -266,23 +287,9 @@ def test_a_candidate_over_the_budget_bars_only_itself_from_what_fits_the_budget(
     over, dots, remat = (("lean",), "lean", "plain"), (("remat-dots",), "keep", "plain"), (("remat",), "keep", "plain")
     predicted = {over: (99.0, 1.0), dots: (99.5, 1.1), remat: (90.0, 2.0)}
 
-    class Model:
-        def solve(self, asked, names, variants, exclude=()):
-            fitting = [k for k, (peak, _) in predicted.items() if peak <= asked and k not in exclude]
-            return min(fitting, key=lambda k: predicted[k][1], default=None)
-
-        def predict(self, key):
-            return predicted[key]
-
-        def observe(self, key, peak, seconds):
-            pass
-
-        def alike(self):
-            return True
-
     compiled_peaks = {over: 101, dots: 99.8, remat: 90}
     search = _Search(lambda key, p: (compiled_peaks[key], p[1]))
-    compile_predicted(search, Model(), ["lean", "remat-dots", "remat"], [("keep", "plain"), ("lean", "plain")], limit=100, verify=3)
+    compile_predicted(search, _Predicted(predicted), ["lean", "remat-dots", "remat"], [("keep", "plain"), ("lean", "plain")], limit=100, verify=3)
     assert list(search.cache) == [over, dots]
 
 
@@ -293,22 +300,8 @@ def test_a_candidate_within_the_budget_below_its_prediction_lets_the_model_be_as
     first, better = (("remat",), "lean", "plain"), (("lean",), "lean", "plain")
     predicted = {first: (98.0, 2.0), better: (103.0, 1.9)}
 
-    class Model:
-        def solve(self, asked, names, variants, exclude=()):
-            fitting = [k for k, (peak, _) in predicted.items() if peak <= asked and k not in exclude]
-            return min(fitting, key=lambda k: predicted[k][1], default=None)
-
-        def predict(self, key):
-            return predicted[key]
-
-        def observe(self, key, peak, seconds):
-            pass
-
-        def alike(self):
-            return True
-
     search = _Search(lambda key, p: ({first: 92, better: 99}[key], p[1]))
-    compile_predicted(search, Model(), ["lean", "remat"], [("lean", "plain")], limit=100, verify=3)
+    compile_predicted(search, _Predicted(predicted), ["lean", "remat"], [("lean", "plain")], limit=100, verify=3)
     assert list(search.cache) == [first, better]
 
 
