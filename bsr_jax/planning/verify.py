@@ -22,7 +22,8 @@ def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str]
     (``CostModel.alike``), after them where they are alike and it is predicted the faster. Nothing
     predicted slower than a compiled candidate within budget, or than ``beat`` (seconds: a plan
     found at another micro-batch count), by more than ``WORTH`` is compiled. Last, where a candidate
-    compiled within ``limit`` below its predicted peak, the model is asked once more for that much more."""
+    compiled within ``limit`` below its predicted peak, the model is asked once more for that much more
+    (the most any fitting candidate came in under, as they compile)."""
     # What a compiled candidate within the limit came in under its predicted peak (the most), and what
     # candidates compiled over it asked to take off.
     slack, shrink, fits, tried = 0.0, 0.0, 0, 0
@@ -74,10 +75,10 @@ def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str]
             keys.append(model.solve(limit + extra, names, variants, exclude=over))
         return min((k for k in keys if k is not None), key=lambda k: model.predict(k)[1], default=None)
 
-    def solved(extra: float = 0.0) -> None:
+    def solved(ask_more: bool = False) -> None:
         nonlocal fits, tried, shrink
         while fits < verify and tried < 2 * verify:
-            key = fastest(extra)
+            key = fastest(slack if ask_more else 0.0)
             compiled = search.cache[key][0] if key in search.cache else None
             if compiled is not None and compiled.compiled and compiled.peak > limit:
                 # Predicted to fit, compiled over the budget by less than the model tells apart (ViT-B/16
@@ -100,10 +101,11 @@ def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str]
         # 39.54 ms compiled to 9xremat + 2xlean + 1xkeep, 39.49).
         solved()
     if slack > 0:
-        # The model over-predicted a fitting candidate's peak: asked once more for that much more
-        # (the 12 x 768 LM at 0.3: 10 lean + 2 remat predicted 8,025 MiB, compiled 7,752 in 8,053;
-        # 11 lean + 1 remat, predicted 8,362, compiles at 8,016, 1.2% faster). Last, so that what the
+        # The model over-predicted a fitting candidate's peak: asked once more for that much more, the
+        # most any fitting candidate came in under so far (the 12 x 768 LM at 0.3: 10 lean + 2 remat
+        # predicted 8,025 MiB, compiled 7,752 in 8,053; 11 lean + 1 remat, predicted 8,362, compiles
+        # at 8,016, 1.2% faster). Last, so that what the
         # search found within the limit is found as before (asked for more from the first fit,
         # ResMLP-S12 at 0.7 spent its compiles over the budget and ended 2.4% slower).
         fits, tried, shrink = 0, 0, 0.0
-        solved(slack)
+        solved(ask_more=True)
