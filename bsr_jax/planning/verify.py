@@ -21,23 +21,15 @@ def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str]
     (the options measured on every block) is compiled before those where blocks differ
     (``CostModel.alike``), after them where they are alike and it is predicted the faster. Nothing
     predicted slower than a compiled candidate within budget, or than ``beat`` (seconds: a plan
-    found at another micro-batch count), by more than ``WORTH`` is compiled. Last, where a candidate
-    compiled within ``limit`` below its predicted peak, the model is asked once more for that much more
-    (the most any fitting candidate came in under, as they compile)."""
-    # What a compiled candidate within the limit came in under its predicted peak (the most), and what
-    # candidates compiled over it asked to take off.
-    slack, shrink, fits, tried = 0.0, 0.0, 0, 0
+    found at another micro-batch count), by more than ``WORTH`` is compiled."""
+    fits, tried, asked = 0, 0, limit
 
     def calibrated(key: tuple) -> Measured:
         # Each compiled step calibrates the model: its last block's option's base (peaks are not
         # additive: XLA reschedules, and the backward's first block holds what it recomputes).
         # One XLA refused (more than the device holds) teaches nothing; solved again, it is cached: the loop ends.
-        nonlocal slack
-        predicted = model.predict(key)
-        measured = search.measure(*key, predicted=predicted)
+        measured = search.measure(*key, predicted=model.predict(key))
         if measured.compiled:
-            if measured.peak <= limit:
-                slack = max(slack, predicted[0] - measured.peak)
             model.observe(key, measured.peak, measured.seconds)
         return measured
 
@@ -65,26 +57,26 @@ def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str]
 
     over: set[tuple] = set()  # compiled over the budget
 
-    def fastest(extra: float) -> tuple | None:
-        keys = [model.solve(limit + extra - shrink, names, variants)]
+    def fastest() -> tuple | None:
+        keys = [model.solve(asked, names, variants)]
         if over:
             # Asking for less bars what fits below the budget's own limit too (the 12 x 768 LM at 0.2:
             # 1 lean + 11 remat, predicted 5,338 MiB, compiled 5,376 in 5,369; asked 5,335, the solver
             # lost 1 remat-dots + 11 remat, predicted 5,348, which had compiled within it): the
             # budget's best without those is a candidate too, the faster predicted is compiled.
-            keys.append(model.solve(limit + extra, names, variants, exclude=over))
+            keys.append(model.solve(limit, names, variants, exclude=over))
         return min((k for k in keys if k is not None), key=lambda k: model.predict(k)[1], default=None)
 
-    def solved(ask_more: bool = False) -> None:
-        nonlocal fits, tried, shrink
+    def solved() -> None:
+        nonlocal fits, tried, asked
         while fits < verify and tried < 2 * verify:
-            key = fastest(slack if ask_more else 0.0)
+            key = fastest()
             compiled = search.cache[key][0] if key in search.cache else None
             if compiled is not None and compiled.compiled and compiled.peak > limit:
                 # Predicted to fit, compiled over the budget by less than the model tells apart (ViT-B/16
                 # at 0.5: 5,558 MiB in 5,556, predicted 5,513): ask it for that much less.
                 over.add(key)
-                shrink += compiled.peak - limit + 0.005 * limit
+                asked -= compiled.peak - limit + 0.005 * limit
                 continue
             if key is None or key in search.cache or not worth(key):
                 break  # nothing predicted fits, the model's fastest was compiled already, or it cannot win
@@ -100,12 +92,3 @@ def compile_predicted(search: Candidates, model: CostModel, names: Sequence[str]
         # Compiled, it recalibrated the model, whose fastest may have moved (ViT-B/16 at 0.3: from
         # 39.54 ms compiled to 9xremat + 2xlean + 1xkeep, 39.49).
         solved()
-    if slack > 0:
-        # The model over-predicted a fitting candidate's peak: asked once more for that much more, the
-        # most any fitting candidate came in under so far (the 12 x 768 LM at 0.3: 10 lean + 2 remat
-        # predicted 8,025 MiB, compiled 7,752 in 8,053; 11 lean + 1 remat, predicted 8,362, compiles
-        # at 8,016, 1.2% faster). Last, so that what the
-        # search found within the limit is found as before (asked for more from the first fit,
-        # ResMLP-S12 at 0.7 spent its compiles over the budget and ended 2.4% slower).
-        fits, tried, shrink = 0, 0, 0.0
-        solved(ask_more=True)

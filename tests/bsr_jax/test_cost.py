@@ -293,18 +293,6 @@ def test_a_candidate_over_the_budget_bars_only_itself_from_what_fits_the_budget(
     assert list(search.cache) == [over, dots]
 
 
-def test_a_candidate_within_the_budget_below_its_prediction_lets_the_model_be_asked_for_that_much_more():
-    """The 12 x 768 LM at 0.3 (H100): 10 lean + 2 remat, predicted 8,025 MiB, compiled 7,752 in a budget
-    of 8,053; 11 lean + 1 remat, predicted above the budget, compiled 8,016 within it, 1.2% faster.
-    The model is asked again for the budget plus what the fitting candidate came in under."""
-    first, better = (("remat",), "lean", "plain"), (("lean",), "lean", "plain")
-    predicted = {first: (98.0, 2.0), better: (103.0, 1.9)}
-
-    search = _Search(lambda key, p: ({first: 92, better: 99}[key], p[1]))
-    compile_predicted(search, _Predicted(predicted), ["lean", "remat"], [("lean", "plain")], limit=100, verify=3)
-    assert list(search.cache) == [first, better]
-
-
 # Keep and remat alone (predicted 2.0 s) and an assignment extrapolated from the probes (1.5 s).
 _SAFE, _EXTRAPOLATED = (("keep", "remat"), "keep", "plain"), (("remat-dots", "keep"), "keep", "plain")
 
