@@ -126,11 +126,12 @@ class Linen:
         self.blocks = find_blocks(traced.jaxpr, type(model).__name__)[0]
         modules = {"/".join(str(getattr(k, "key", k)) for k in path[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(self.params)}
         self.outside = any(not any(m == b or m.startswith(b + "/") for b in self.blocks) for m in modules)
-        # An option that leaves layers exact where this model's blocks have none would add nothing (and
-        # compress_model refuses a rule that matches no layer).
-        self.unavailable = {name: f"no layer in the blocks matches {list(option.exact_layers)}" for name, option in OPTIONS.items()
-                            if option.exact_layers and not any(fnmatch.fnmatchcase(m, f"{b}/{glob}") for m in modules for b in self.blocks
-                                                               for glob in option.exact_layers)}  # fmt: skip
+        # An option that leaves layers exact needs such a layer in every block: any block may take it, and
+        # compress_model refuses a rule that matches no layer.
+        self.unavailable = {**Linen.unavailable, **{
+            name: f"not every block has a layer matching {list(option.exact_layers)}" for name, option in OPTIONS.items()
+            if option.exact_layers and not all(any(fnmatch.fnmatchcase(m, f"{b}/{glob}") for m in modules for glob in option.exact_layers)
+                                               for b in self.blocks)}}  # fmt: skip
 
     def assemble(self, choices: Sequence[str], rest: str) -> nn.Module:
         return assemble(self.model, self.blocks, choices, rest, self.outside)

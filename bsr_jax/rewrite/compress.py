@@ -244,8 +244,8 @@ def _linen_compressed(model: nn.Module, rules: rules_lib.Rules, lean: bool, trea
         # lean_graph's lean modules take bsr_jax.rewrite.lean's attention; not where a dx format keeps q, k, v.
         by_path = lean_ops.lean_attention(treatment.lean_exact) if treatment is not None else contextlib.nullcontext()
         # ... and ReLU's 1-bit mask where a rule compresses a layer below them (bsr_jax.rewrite.lean_relu).
-        masks = lean_relu.lean_relu(lambda p: treatment.lean_exact(p) and rules_lib.compresses_below(rules, p)) if treatment and not lean else None
-        with compressing(rules, lean=lean), head_losses, by_path, masks or contextlib.nullcontext():
+        masks = lean_relu.lean_relu(lambda p: treatment.lean_exact(p) and rules_lib.compresses_below(rules, p)) if treatment and not lean else contextlib.nullcontext()
+        with compressing(rules, lean=lean), head_losses, by_path, masks:
             # lean: hand-written norms, activations and attention keep less too (bsr_jax.rewrite.lean_graph).
             return lean_graph.lean_call(run, variables, *args, treatment=treatment, **kwargs) if treatment is not None else run(variables, *args, **kwargs)
 

@@ -758,7 +758,18 @@ def test_int4_outdense_is_not_offered_to_blocks_without_an_attention_output_proj
     from bsr_jax.planning.linen import Linen
 
     family = Linen(Net(), lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2), (X,), None, None)
-    assert "no layer in the blocks matches ['*/out']" in family.unavailable["int4-outdense"]
-    with pytest.raises(ValueError, match=r"options \['int4-outdense'\] not available for this model: int4-outdense: no layer in the blocks"):
+    assert "not every block has a layer matching ['*/out']" in family.unavailable["int4-outdense"]
+    # A block without one could be given the option, whose rule compress_model would refuse: every block needs it.
+    class Mixed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(32)(x)
+            x = AttentionBlock(name="blocks_0")(x)
+            return Block(width=32, name="blocks_1")(x)
+
+    tokens = jax.random.normal(jax.random.key(2), (4, 16, 8))
+    mixed = Linen(Mixed(), lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2), (tokens,), None, None)
+    assert mixed.blocks == ("blocks_0", "blocks_1") and "int4-outdense" in mixed.unavailable
+    with pytest.raises(ValueError, match=r"options \['int4-outdense'\] not available for this model: int4-outdense: not every block"):
         planner.plan(Net(), lambda module, variables, x: jnp.mean(module.apply(variables, x) ** 2), X, optimizer=optax.adamw(1e-3),
                      budget=0.5, options=["remat", "int4-outdense"], progress=False)
