@@ -32,7 +32,7 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from bsr_jax.measure.compiled import CompiledStep
-from bsr_jax.planning.options import REST
+from bsr_jax.planning.options import OPTIONS, REST
 
 Key = tuple[tuple[str, ...], str, str]  # (an option per block, the rest's option, the loss: "plain" or "chunked")
 
@@ -113,14 +113,21 @@ def others(key: Key) -> frozenset[str]:
 def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tuple[str, str]]) -> list[Key]:
     """Steps that, with the dense one and remat on every block, measure every option on some
     block and every (rest, loss) variant once: the options not ``MEASURED_EVERYWHERE`` assigned to
-    the blocks in turn, round after round, each round with the next variant (then the rest kept)."""
+    the blocks in turn, round after round, each round with the next variant (then the rest kept).
+
+    Remat under a policy and the other options (lean, compression) take separate rounds: a block
+    recomputing under ``dots_with_no_batch_dims_saveable`` beside lean ones moved the step's peak
+    into the backward pass, where the others held what they hold nowhere else (the 12 x 768 LM,
+    H100: an ``int4`` block 318 MiB, as against 169 in every step without such blocks, more than
+    ``lean``'s 288; so the cost model never chose it; docs/RESULTS.md 12.9)."""
     todo = [o for o in options if o not in MEASURED_EVERYWHERE]
     # Each option on a block CostModel learns bytes from, in turn.
     learnt = learnt_blocks(len(blocks))
-    rounds = max(math.ceil(len(todo) / learnt), len(variants))
+    groups = [g for g in ([o for o in todo if not OPTIONS[o].remat], [o for o in todo if OPTIONS[o].remat]) if g]
+    rounds = [[group[(r * learnt + i) % len(group)] for i in range(len(blocks))] for group in groups for r in range(math.ceil(len(group) / learnt))]
     found = []
-    for r in range(rounds):
-        choices = tuple(todo[(r * learnt + i) % len(todo)] for i in range(len(blocks))) if todo else ("remat",) * len(blocks)
+    for r in range(max(len(rounds), len(variants))):
+        choices = tuple(rounds[r % len(rounds)]) if rounds else ("remat",) * len(blocks)
         rest, loss = variants[r] if r < len(variants) else ("keep", "plain")
         found.append((choices, rest, loss))
     return found

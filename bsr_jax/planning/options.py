@@ -70,10 +70,13 @@ OPTIONS: Mapping[str, Option] = {
     # int4 but the attention's output projection (flax's MultiHeadDotProductAttention names it "out")
     # exact: the lean attention then keeps its output, which that layer keeps anyway, for flash
     # attention's backward instead of autodiff's recomputation (12 x 768 LM, H100: 72.63 -> 69.34 ms
-    # for 214 MiB more, docs/RESULTS.md 14.7). Opt-in: searched by default it took a second probe
-    # step on 12-block models and no LM plan (docs/RESULTS.md 14.10).
-    "int4-outdense": Option(_INT4, exact_layers=("*/out",), approximation=_DW_INT4, opt_in=True),
-    "topk": Option(Pruning(0.7, block=16), approximation="dW from the top 30% of blocks, biased: 55% of its norm lost (docs/RESULTS.md 3)"),
+    # for 214 MiB more, docs/RESULTS.md 14.7). Offered only where every block has such a layer.
+    "int4-outdense": Option(_INT4, exact_layers=("*/out",), approximation=_DW_INT4),
+    # Opt-in: biased, and its kernels' time moved with its neighbours' options (12 x 768 LM, H100:
+    # 5.4-8.2 ms a block in one probe), so the cost model mispriced every candidate with it
+    # (docs/RESULTS.md 12.9).
+    "topk": Option(Pruning(0.7, block=16), approximation="dW from the top 30% of blocks, biased: 55% of its norm lost (docs/RESULTS.md 3)",
+                   opt_in=True),
     # int4 in 1 x 128 blocks through the fused kernels (GPU: the forward GEMM writes the
     # codes, dW's reads them; TPU: the unfused path, the same codes).
     "int4-fused": Option(Pruning(0.0, block=(1, 128), storage_dtype="int4", backend="fused"),

@@ -55,6 +55,10 @@ def test_probes_measure_every_option_and_variant():
     found = cost.probes(blocks, options, variants)
     assert {o for choices, _, _ in found for o in choices} == {"lean", "int4", "remat-dots", "remat-dots-all", "topk"}
     assert [(rest, loss) for _, rest, loss in found] == variants  # three variants: three probes, options in turn
+    # Remat under a policy never shares a probe with lean or compression (it moves the step's peak).
+    for choices, _, _ in found:
+        assert len({cost.OPTIONS[o].remat for o in choices}) == 1, choices
+    assert len(cost.probes(blocks, options, [])) == 3  # lean, int4, topk on 2 learnt blocks: 2 rounds; the remat policies: 1
     assert cost.probes(blocks, ["keep", "remat"], []) == []  # the dense step and remat measure both
 
 
