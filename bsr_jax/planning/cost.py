@@ -123,7 +123,7 @@ def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tup
     block and every (rest, loss) variant once: the options not ``MEASURED_EVERYWHERE`` assigned to
     the blocks in turn, round after round, each round with the next variant (then the rest kept).
 
-    Remat under a policy and the other options (lean, compression) take separate rounds: a block
+    Each kind of option (``_kind``: remat under a policy; lean and compression) takes rounds of its own: a block
     recomputing under ``dots_with_no_batch_dims_saveable`` beside lean ones moved the step's peak
     into the backward pass, where the others held what they hold nowhere else (the 12 x 768 LM,
     H100: an ``int4`` block 318 MiB, as against 169 in every step without such blocks, more than
@@ -131,8 +131,10 @@ def probes(blocks: Sequence[str], options: Sequence[str], variants: Sequence[tup
     todo = [o for o in options if o not in MEASURED_EVERYWHERE]
     # Each option on a block CostModel learns bytes from, in turn.
     learnt = learnt_blocks(len(blocks))
-    groups = [g for g in ([o for o in todo if not OPTIONS[o].remat], [o for o in todo if OPTIONS[o].remat]) if g]
-    rounds = [[group[(r * learnt + i) % len(group)] for i in range(len(blocks))] for group in groups for r in range(math.ceil(len(group) / learnt))]
+    groups: dict[str, list[str]] = {}
+    for o in todo:
+        groups.setdefault(_kind(o), []).append(o)
+    rounds = [[g[(r * learnt + i) % len(g)] for i in range(len(blocks))] for g in groups.values() for r in range(math.ceil(len(g) / learnt))]
     found = []
     for r in range(max(len(rounds), len(variants))):
         choices = tuple(rounds[r % len(rounds)]) if rounds else ("remat",) * len(blocks)
