@@ -98,11 +98,11 @@ MEASURED_EVERYWHERE = ("keep", "remat")
 
 
 def _kind(option: str) -> str:
-    """What the last block's backward starts with under ``option``: "remat" (recomputes the
-    block under a policy), "lean" (lean neighbours: recomputes attention and activations, with or
-    without compressed inputs) or "keep"."""
-    o = OPTIONS.get(option)
-    return option if o is None else "remat" if o.remat else "lean" if o.lean else "keep"
+    """What a block does under ``option``: "remat" (recomputes itself under a policy), "lean"
+    (lean neighbours: recomputes attention and activations, with or without compressed inputs)
+    or "keep"."""
+    o = OPTIONS[option]
+    return "remat" if o.remat else "lean" if o.lean else "keep"
 
 
 def _variant(rest: str, loss: str) -> frozenset[str]:
@@ -158,7 +158,7 @@ class CostModel:
     blocks before the last two or three (``learnt_blocks``) of each step measured with a breakdown; ``a`` from every compiled
     step that had that option on the last block (its least ``peak - kept``: dense gives
     ``keep``'s, remat on every block ``remat``'s), and an option never compiled there takes
-    those of its kind compiled there, else ``keep``'s (``_base``); ``h`` from the compiled steps the first term does not
+    ``keep``'s (``_base``); ``h`` from the compiled steps the first term does not
     explain (``peak`` less everything the blocks keep; none: no second term), held against the
     steps that share their choices beyond the options measured on every block (``_h``).
 
@@ -281,20 +281,13 @@ class CostModel:
         return max((h for theirs, h in above if not theirs or theirs & chosen), default=-math.inf)
 
     def _base(self, bases: Mapping[str, float], option: str) -> float:
-        """``bases[option]``, or for an option no compiled step had on the last block, the median of
-        those of its kind that one had (``_kind``: lean and compression, remat under a policy),
-        else ``keep``'s: the last block's backward starts with the head's and recomputes (lean
-        neighbours, remat) as it goes. Measured on the 12 x 768 LM (H100): ``int4-fused`` last
-        needed 4,962 MiB beyond the blocks before it in the compression probe, ``keep`` 6,590;
-        with the former, lean on every block is predicted 8,219 MiB (compiled: 8,193), with the
-        latter 9,847, which kept every candidate ending in lean or compression out of a budget of
-        0.3 (docs/RESULTS.md 12.10). ``keep``'s less what an option keeps less is no base: for
-        ``int4-fused`` (1,712 MiB less per block at the dense step's peak) it predicted 4,879
-        where it needed 6,403-6,445 after remat blocks."""
-        if option in bases:
-            return bases[option]
-        alike = [b for o, b in bases.items() if _kind(o) == _kind(option)]
-        return float(np.median(alike)) if alike else bases["keep"]
+        """``bases[option]``, or for an option no compiled step had on the last block, ``keep``'s:
+        the last block's backward starts with the head's and recomputes (lean neighbours, remat)
+        as it goes, so it holds about what ``keep`` does there. Measured on the 12 x 768 LM (H100):
+        ``int4-fused`` last needed 6,403-6,445 MiB beyond the blocks before it, ``keep`` 6,591, where
+        ``keep``'s less what ``int4-fused`` keeps less (1,712 MiB per block at the dense step's peak)
+        predicted 4,879: every first candidate with it last was over its budget."""
+        return bases.get(option, bases["keep"])
 
     def predict(self, key: Key, bases: tuple[dict[str, float], list[tuple[frozenset[str], float]], float] | None = None) -> tuple[float, float]:
         """(peak bytes, seconds) of the step ``key`` as the model composes it (``bases``: ``_bases()``,
