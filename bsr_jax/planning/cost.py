@@ -100,9 +100,9 @@ MEASURED_EVERYWHERE = ("keep", "remat")
 def _kind(option: str) -> str:
     """What a block does under ``option``: "remat" (recomputes itself under a policy), "lean"
     (lean neighbours: recomputes attention and activations, with or without compressed inputs)
-    or "keep"."""
-    o = OPTIONS[option]
-    return "remat" if o.remat else "lean" if o.lean else "keep"
+    or "keep"; a name not in ``OPTIONS`` is a kind of its own."""
+    o = OPTIONS.get(option)
+    return option if o is None else "remat" if o.remat else "lean" if o.lean else "keep"
 
 
 def _variant(rest: str, loss: str) -> frozenset[str]:
@@ -158,6 +158,7 @@ class CostModel:
     blocks before the last two or three (``learnt_blocks``) of each step measured with a breakdown; ``a`` from every compiled
     step that had that option on the last block (its least ``peak - kept``: dense gives
     ``keep``'s, remat on every block ``remat``'s), and an option never compiled there takes
+    the median of those of its kind compiled there where it is lean or compression, else
     ``keep``'s (``_base``); ``h`` from the compiled steps the first term does not
     explain (``peak`` less everything the blocks keep; none: no second term), held against the
     steps that share their choices beyond the options measured on every block (``_h``).
@@ -252,7 +253,9 @@ class CostModel:
         return kept + extra[0], device + extra[1], host + extra[2]
 
     def _bases(self) -> tuple[dict[str, float], list[tuple[frozenset[str], float]], float]:
-        """From the compiled steps: per option of the last block, ``a`` of the peak's first term;
+        """From the compiled steps: per option of the last block, ``a`` of the peak's first term
+        (not from a step mixing remat policies, or one with other options: its peak may lie in
+        the backward pass);
         per step its second explains, ``h`` and what that step chose beyond the options measured
         everywhere (``others``; see ``_h``); the time's base."""
         seen = []
@@ -266,8 +269,13 @@ class CostModel:
             times.append(seconds - max(device, host))
         bases: dict[str, float] = {}
         for key, before, _, peak in seen:
-            bases[key[0][-1]] = min(bases.get(key[0][-1], math.inf), peak - before)
-        above = [(others(key), peak - every) for key, before, every, peak in seen if peak > before + bases[key[0][-1]] + 0.01 * peak]
+            # Blocks recomputing under a policy beside others move a step's peak into the backward
+            # pass (the remat-policy probe's), where peak - before is no base of the last block's
+            # option; a policy alone (with plain remat) still gives its own.
+            policies = {c for c in key[0] if _kind(c) == "remat" and c != "remat"}
+            if len(policies) < 2 and not (policies and set(key[0]) - policies - {"remat"}):
+                bases[key[0][-1]] = min(bases.get(key[0][-1], math.inf), peak - before)
+        above = [(others(key), peak - every) for key, before, every, peak in seen if peak > before + self._base(bases, key[0][-1]) + 0.01 * peak]
         return bases, above, float(np.mean(times)) if times else 0.0
 
     @staticmethod
@@ -281,13 +289,23 @@ class CostModel:
         return max((h for theirs, h in above if not theirs or theirs & chosen), default=-math.inf)
 
     def _base(self, bases: Mapping[str, float], option: str) -> float:
-        """``bases[option]``, or for an option no compiled step had on the last block, ``keep``'s:
-        the last block's backward starts with the head's and recomputes (lean neighbours, remat)
-        as it goes, so it holds about what ``keep`` does there. Measured on the 12 x 768 LM (H100):
-        ``int4-fused`` last needed 6,403-6,445 MiB beyond the blocks before it, ``keep`` 6,591, where
-        ``keep``'s less what ``int4-fused`` keeps less (1,712 MiB per block at the dense step's peak)
-        predicted 4,879: every first candidate with it last was over its budget."""
-        return bases.get(option, bases["keep"])
+        """``bases[option]``; for lean or compression no compiled step had on the last block, the
+        median of those of that kind one had; else ``keep``'s: the last block's backward starts
+        with the head's and recomputes (lean neighbours, remat) as it goes. Measured on the 12 x
+        768 LM (H100): ``int4-fused`` last needed 4,962 MiB beyond the blocks before it in the
+        compression probe, ``keep`` 6,590; with the former, lean on every block is predicted
+        8,219 MiB (compiled: 8,193), with the latter 9,847, which kept every candidate ending in
+        lean or compression out of a budget of 0.3 (docs/RESULTS.md 12.10). ``keep``'s less what an
+        option keeps less is no base: for ``int4-fused`` (1,712 MiB less per block at the dense
+        step's peak) it predicted 4,879 where it needed 6,403-6,445 after remat blocks. A remat
+        policy takes no other option's base, and ``_bases`` learns none from steps mixing
+        policies or a policy with other options: ``remat-offload``'s from the remat-policy probe,
+        which peaks in the backward pass, let candidates ending in it beside lean blocks compile
+        4-6 GiB over their prediction (docs/RESULTS.md 12.9)."""
+        if option in bases:
+            return bases[option]
+        alike = [b for o, b in bases.items() if _kind(option) == "lean" and _kind(o) == "lean"]
+        return float(np.median(alike)) if alike else bases["keep"]
 
     def predict(self, key: Key, bases: tuple[dict[str, float], list[tuple[frozenset[str], float]], float] | None = None) -> tuple[float, float]:
         """(peak bytes, seconds) of the step ``key`` as the model composes it (``bases``: ``_bases()``,

@@ -137,11 +137,12 @@ def test_a_peak_a_choice_explains_is_held_against_the_steps_that_make_it_only():
     assert model.predict(with_d)[0] > 210
 
 
-def test_an_option_never_compiled_on_the_last_block_takes_keeps_base_there():
+def test_an_option_never_compiled_on_the_last_block_takes_its_kinds_base_there():
     """The last block's backward starts with the head's and recomputes as it goes: an option seen
-    only on earlier blocks is predicted there with keep's base, not keep's less what the option
-    keeps less (on the 12 x 768 LM that predicted 1.5 GiB short: every such first candidate was over
-    its budget). Seen there once, its own base."""
+    only on earlier blocks is predicted there with the base of its kind where it is lean or
+    compression and one of that kind was compiled there, else keep's; not keep's less what the
+    option keeps less (on the 12 x 768 LM that predicted 1.5 GiB short: every such first candidate
+    was over its budget). Seen there once, its own base."""
     blocks = ["b0", "b1", "b2", "b3"]
     model = cost.CostModel(blocks)
     dense = {**{b: cost.Share(100, 1.0) for b in blocks}, REST: cost.Share(50, 1.0)}
@@ -151,6 +152,19 @@ def test_an_option_never_compiled_on_the_last_block_takes_keeps_base_there():
     assert model.predict(lean_last)[0] == 3 * 30 + 150  # keep's base: 450 - 3 x 100
     model.observe(lean_last, 200, 5.8)
     assert model.predict(lean_last)[0] == 200 and model.predict((("keep", "lean", "lean", "lean"), "keep", "plain"))[0] == 270
+    # int4 (lean neighbours, compressed inputs) never compiled last: lean's base (200 - 3 x 30), not keep's (150).
+    model.observe((("int4", "keep", "keep", "keep"), "keep", "plain"), 370, 5.3, dense | {"b0": cost.Share(20, 1.3)})
+    assert model.predict((("lean", "lean", "lean", "int4"), "keep", "plain"))[0] == 3 * 30 + 110
+    # Remat under a policy takes no other option's base; a step with a policy beside other options,
+    # or with two policies, teaches none.
+    model.observe((("remat-dots", "keep", "keep", "keep"), "keep", "plain"), 390, 5.5, dense | {"b0": cost.Share(40, 1.4)})
+    assert model.predict((("lean", "lean", "lean", "remat-dots"), "keep", "plain"))[0] == 3 * 30 + 150
+    policies = {"b0": cost.Share(40, 1.4), "b1": cost.Share(40, 1.4), "b2": cost.Share(40, 1.4), "b3": cost.Share(40, 1.4)}
+    model.observe((("remat-offload", "remat-dots", "remat-dots", "remat-offload"), "keep", "plain"), 200, 6.0, dense | policies)
+    assert model.predict((("lean", "lean", "lean", "remat-offload"), "keep", "plain"))[0] == 3 * 30 + 150
+    # A policy alone (beside plain remat only) teaches its own: 250 - 3 x 40.
+    model.observe((("remat", "remat-dots", "remat-dots", "remat-dots"), "keep", "plain"), 250, 6.1, dense | policies | {"b0": cost.Share(40, 1.3)})
+    assert model.predict((("lean", "lean", "lean", "remat-dots"), "keep", "plain"))[0] == 3 * 30 + 130
 
 
 def test_a_block_never_measured_with_an_option_takes_it_scaled_from_the_nearest_that_was():
