@@ -184,8 +184,11 @@ class CostModel:
             return
         choices, rest, loss = key
         learnt = self.blocks[: learnt_blocks(len(self.blocks))]
+        # A block keeping its activations (keep, lean, compression) holding nothing at the peak: the backward had freed
+        # it, the blocks before hold transients there too: no bytes from this step (ResNet-50's lean probe, H100).
+        passed = any(measured[b].kept <= 0 and _kind(o) in ("keep", "lean") for b, o in zip(learnt, choices))
         for block, option in zip(self.blocks, choices):
-            if block in learnt:
+            if block in learnt and not passed:
                 self.kept.setdefault((block, option), []).append(measured[block].kept)
             self.device.setdefault((block, option), []).append(measured[block].device)
             self.host.setdefault((block, option), []).append(measured[block].host)
@@ -321,10 +324,12 @@ class CostModel:
               exclude: Collection[Key] = ()) -> Key | None:  # fmt: skip
         """The assignment of ``options`` to the blocks, with one of ``variants`` (rest, loss), of
         least predicted time whose predicted peak is at most ``limit``; None where none is. A key in
-        ``exclude`` is not returned: its (rest, loss, last block's option) gives no candidate."""
+        ``exclude`` is not returned: its (rest, loss, last block's option) gives no candidate; nor
+        is an option whose bytes no step measured (``observe``)."""
         fitted = self._bases()
         bases, above, _ = fitted
         head = self.blocks[:-1]
+        options = [o for o in options if any(option == o for _, option in self.kept)]
         weights = {o: [self._value(self.kept, b, o) for b in head] for o in options}
         # Ranked by kernels and host copies added (the sum the knapsack can carry; pessimistic for
         # offloading), then the best per last option and variant by the predicted time.

@@ -393,3 +393,24 @@ def test_keep_and_remat_alone_compiled_last_recalibrate_the_search():
     search = _Search(lambda key, predicted: (90, predicted[1]))
     compile_predicted(search, Model(), ["keep", "remat", "lean"], [("keep", "plain")], limit=100, verify=3)
     assert list(search.cache) == [first, safe, better]
+
+
+def test_a_step_whose_peak_lies_past_a_blocks_backward_teaches_no_bytes():
+    """ResNet-50's lean probe (H100) peaks in its early blocks' backward: later blocks hold 0 MiB
+    there and the first ones their gradients' transients beside their residuals, so the model took
+    lean for free on the later blocks (a candidate predicted 2,908 MiB compiled 5,180). Such a step
+    teaches times but no bytes; an option whose bytes no step measured is not proposed. A remat
+    block holding nothing is no such sign (its input is its predecessor's output)."""
+    blocks = ["b0", "b1", "b2", "b3", "b4", "b5"]
+    model = cost.CostModel(blocks)
+    dense = {**{b: cost.Share(100, 1.0) for b in blocks}, REST: cost.Share(50, 1.0)}
+    model.observe((("keep",) * 6, "keep", "plain"), 650, 6.0, dense)
+    model.observe((("remat",) * 6, "keep", "plain"), 200, 7.0, {**{b: cost.Share(0, 1.2) for b in blocks}, REST: cost.Share(50, 1.0)})
+    probe = {**dense, "b0": cost.Share(150, 1.1), "b1": cost.Share(0, 1.1), "b2": cost.Share(0, 1.1)}
+    model.observe((("lean",) * 6, "keep", "plain"), 500, 6.6, probe)
+    assert ("b0", "lean") not in model.kept and ("b0", "lean") in model.device
+    assert model.solve(400, ["keep", "lean", "remat"], [("keep", "plain")]) is not None
+    assert "lean" not in model.solve(400, ["keep", "lean", "remat"], [("keep", "plain")])[0]
+    # Measured where every block holds its own, lean's bytes are learnt and it is proposed.
+    model.observe((("lean",) * 6, "keep", "plain"), 410, 6.6, {**dense, **{b: cost.Share(40, 1.1) for b in blocks}})
+    assert model.kept[("b0", "lean")] == [40] and "lean" in model.solve(400, ["keep", "lean", "remat"], [("keep", "plain")])[0]
