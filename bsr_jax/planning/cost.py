@@ -184,9 +184,10 @@ class CostModel:
             return
         choices, rest, loss = key
         learnt = self.blocks[: learnt_blocks(len(self.blocks))]
-        # A block keeping its activations (keep, lean, compression) holding nothing at the peak: the backward had freed
-        # it, the blocks before hold transients there too: no bytes from this step (ResNet-50's lean probe, H100).
-        passed = any(measured[b].kept <= 0 and _kind(o) in ("keep", "lean") for b, o in zip(learnt, choices))
+        # A block keeping its activations holding nothing at the peak: the backward had freed it and the blocks before hold
+        # transients: no bytes from this step (ResNet-50's lean probe, H100); the dense and remat steps' are always needed.
+        passed = bool(set(choices) - set(MEASURED_EVERYWHERE)) and any(
+            measured[b].kept <= 0 and _kind(o) in ("keep", "lean") for b, o in zip(learnt, choices))
         for block, option in zip(self.blocks, choices):
             if block in learnt and not passed:
                 self.kept.setdefault((block, option), []).append(measured[block].kept)
@@ -256,11 +257,9 @@ class CostModel:
         return kept + extra[0], device + extra[1], host + extra[2]
 
     def _bases(self) -> tuple[dict[str, float], list[tuple[frozenset[str], float]], float]:
-        """From the compiled steps: per option of the last block, ``a`` of the peak's first term
-        (not from a step mixing remat policies, or one with other options: its peak may lie in
-        the backward pass);
-        per step its second explains, ``h`` and what that step chose beyond the options measured
-        everywhere (``others``; see ``_h``); the time's base."""
+        """From the compiled steps: per option of the last block, ``a`` of the peak's first term (not from a step mixing
+        remat policies, or one with other options: its peak may lie in the backward pass); per step its second explains,
+        ``h`` and what that step chose beyond the options measured everywhere (``others``; see ``_h``); the time's base."""
         seen = []
         times = []
         for key, (peak, seconds) in self.steps.items():

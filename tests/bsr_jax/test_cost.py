@@ -414,3 +414,7 @@ def test_a_step_whose_peak_lies_past_a_blocks_backward_teaches_no_bytes():
     # Measured where every block holds its own, lean's bytes are learnt and it is proposed.
     model.observe((("lean",) * 6, "keep", "plain"), 410, 6.6, {**dense, **{b: cost.Share(40, 1.1) for b in blocks}})
     assert model.kept[("b0", "lean")] == [40] and "lean" in model.solve(400, ["keep", "lean", "remat"], [("keep", "plain")])[0]
+    # The dense step (and remat's) teaches its bytes all the same: every other figure is read against them.
+    model = cost.CostModel(blocks)
+    model.observe((("keep",) * 6, "keep", "plain"), 650, 6.0, {**dense, "b2": cost.Share(0, 1.0)})
+    assert model.kept[("b0", "keep")] == [100] and model.kept[("b2", "keep")] == [0]
