@@ -306,7 +306,7 @@ class CostModel:
         4-6 GiB over their prediction (docs/RESULTS.md 12.9)."""
         if option in bases:
             return bases[option]
-        alike = [b for o, b in bases.items() if _kind(option) == "lean" and _kind(o) == "lean"]
+        alike = [b for o, b in bases.items() if _kind(o) == "lean"] if _kind(option) == "lean" else []
         return float(np.median(alike)) if alike else bases["keep"]
 
     def predict(self, key: Key, bases: tuple[dict[str, float], list[tuple[frozenset[str], float]], float] | None = None) -> tuple[float, float]:
@@ -328,7 +328,8 @@ class CostModel:
         fitted = self._bases()
         bases, above, _ = fitted
         head = self.blocks[:-1]
-        options = [o for o in options if any(option == o for _, option in self.kept)]
+        measured = {option for _, option in self.kept}
+        options = [o for o in options if o in measured]
         weights = {o: [self._value(self.kept, b, o) for b in head] for o in options}
         # Ranked by kernels and host copies added (the sum the knapsack can carry; pessimistic for
         # offloading), then the best per last option and variant by the predicted time.

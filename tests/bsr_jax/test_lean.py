@@ -14,6 +14,7 @@ from flax import nnx
 
 import bsr_jax
 from bsr_jax.rewrite import lean as lean_lib
+from bsr_jax.rewrite import lean_policy
 from bsr_jax.rewrite.lean import lean_neighbours
 from bsr_jax.rewrite.lean_graph import Treatment, lean_call
 
@@ -432,8 +433,6 @@ def test_a_norms_statistics_are_kept_not_recomputed():
     per row, a BatchNorm's per feature), so its backward recomputes only elementwise math; a
     reduction of fewer inputs, and one judged without its operand's shape, is recomputed (ResNet-50,
     H100: BatchNorm's statistics took 1.07 of 16 lean blocks' 2.48 ms; docs/RESULTS.md 12.13)."""
-    from bsr_jax.rewrite import lean_policy
-
     aval = jax.core.ShapedArray((8, 64), jnp.float32)
     assert lean_policy.policy(jax.lax.reduce_sum_p, aval, axes=(1,))
     assert not lean_policy.policy(jax.lax.reduce_sum_p, jax.core.ShapedArray((8, 4), jnp.float32), axes=(1,))
